@@ -1,0 +1,30 @@
+# Quick start: `make demo` and `make test` on a fresh machine (no GPU needed).
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: setup demo test test-gpu clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 resolves to the local CPU build here; it must come first so that nothing
+# pulls the multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[fla,test]'
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/python -m k3batch.demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+# On a CUDA host with torch, triton and fla installed.
+test-gpu:
+	python3 -m pytest -q -m gpu
+
+clean:
+	rm -rf $(VENV) out
