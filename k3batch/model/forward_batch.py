@@ -1,0 +1,53 @@
+"""ForwardBatch: the metadata of one forward call, passed explicitly to every layer.
+
+Tokens of several sequences are packed along one axis in the order of `seq_lens`. A sequence
+with `cached_len == 0` starts from an empty state whatever its cache slot holds.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    seq_lens: list[int]  # new tokens of each sequence in this call
+    cached_lens: list[int]  # tokens of each sequence already in the cache
+    slot_ids: list[int] | None = None  # cache slot per sequence; None: no cache (one-shot forward)
+    pinned_routes: dict[int, torch.Tensor] | None = None  # layer_idx -> [T, top_k] expert ids
+    routes_out: dict[int, torch.Tensor] | None = None  # filled: layer_idx -> [T, top_k] ids
+
+    def __post_init__(self):
+        if len(self.seq_lens) != len(self.cached_lens):
+            raise ValueError("seq_lens and cached_lens differ in length")
+        if self.slot_ids is not None and len(self.slot_ids) != len(self.seq_lens):
+            raise ValueError("slot_ids and seq_lens differ in length")
+
+    @classmethod
+    def fresh(cls, seq_lens: list[int]) -> "ForwardBatch":
+        """A cache-free forward over whole sequences."""
+        return cls(seq_lens=list(seq_lens), cached_lens=[0] * len(seq_lens))
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.seq_lens)
+
+    @property
+    def cu_seqlens(self) -> list[int]:
+        out = [0]
+        for n in self.seq_lens:
+            out.append(out[-1] + n)
+        return out
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.seq_lens) and all(c > 0 for c in self.cached_lens)
+
+    @property
+    def last_token_idx(self) -> list[int]:
+        """Index in the packed axis of each sequence's last new token."""
+        return [c - 1 for c in self.cu_seqlens[1:]]

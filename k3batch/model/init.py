@@ -1,0 +1,47 @@
+"""Random weights for test checkpoints, scaled so that activations stay O(1) through all
+layers and logits are neither flat nor one-hot. Deterministic for a given generator.
+
+Rules: projections N(0, 1/fan_in); projections that write into the stream are scaled down by
+0.5; norms 1 + N(0, 0.1) (so a swapped norm is visible); AttnRes pseudo-queries N(0, 1/D)
+(softmax scores O(1)); KDA A_log = log U(1, 16) and dt_bias around -1 (decays per step in
+roughly [0.4, 1) with the -5 lower bound); router correction bias N(0, 0.1) so that selection
+visibly differs from the unbiased scores.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+_OUT_PROJ = ("o_proj", "down_proj", "w2", "routed_expert_up_proj")
+
+
+@torch.no_grad()
+def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(shape, std, mean=0.0):
+        return torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean
+
+    for name, p in model.named_parameters():
+        leaf = name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1]
+        shape = p.shape
+        if "norm" in leaf:
+            val = normal(shape, 0.1, 1.0)
+        elif leaf.endswith("res_proj"):
+            val = normal(shape, 1 / math.sqrt(shape[-1]))
+        elif leaf == "embed_tokens":
+            val = normal(shape, 1.0)
+        elif leaf == "A_log":
+            val = torch.rand(shape, generator=gen).mul(15).add(1).log()
+        elif leaf == "dt_bias":
+            val = normal(shape, 0.5, -1.0)
+        elif leaf == "e_score_correction_bias":
+            val = normal(shape, 0.1)
+        elif leaf.endswith("conv1d"):
+            val = normal(shape, 0.5)
+        else:  # projections and stacked experts: fan_in is the last dim
+            std = 1 / math.sqrt(shape[-1]) * (0.5 if leaf in _OUT_PROJ else 1.0)
+            val = normal(shape, std)
+        p.copy_(val.to(p.dtype))
+    return model

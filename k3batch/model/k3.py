@@ -1,0 +1,140 @@
+"""K3Model: Kimi K3 (and Kimi Linear) as plain single-device PyTorch.
+
+Module names follow the official checkpoint (`model.layers.{i}.self_attn.q_proj`, ...), except
+the routed experts, which are stacked per layer (see `moe.Experts`). A model may hold only a
+range of layers (a pipeline stage): `embed_tokens` then exists only on the first stage and the
+final AttnRes, norm and `lm_head` only on the last. The code knows nothing of Ray or process
+groups. Shape legend: B sequences, T tokens, D hidden, V vocabulary.
+"""
+
+import torch
+from torch import nn
+
+from k3batch.model.attn_res import Stream, mix
+from k3batch.model.forward_batch import ForwardBatch
+from k3batch.model.kda import KimiDeltaAttention
+from k3batch.model.layers import GatedMLP, RMSNorm, linear
+from k3batch.model.mla import KimiMLAAttention
+from k3batch.model.moe import SparseMoE
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, dtype=None, device=None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        D, eps = config.hidden_size, config.rms_norm_eps
+        self.block_size = config.attn_res_block_size
+        if config.layer_types[layer_idx] == "kda":
+            self.self_attn = KimiDeltaAttention(config, layer_idx, dtype, device)
+        else:
+            self.self_attn = KimiMLAAttention(config, layer_idx, dtype, device)
+        if config.is_moe_layer(layer_idx):
+            self.block_sparse_moe = SparseMoE(config, layer_idx, dtype, device)
+        else:
+            self.mlp = GatedMLP(config, D, config.intermediate_size, dtype, device)
+        self.input_layernorm = RMSNorm(D, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(D, eps, dtype, device)
+        if self.block_size is not None:
+            self.self_attention_res_proj = linear(D, 1, dtype, device)
+            self.self_attention_res_norm = RMSNorm(D, eps, dtype, device)
+            self.mlp_res_proj = linear(D, 1, dtype, device)
+            self.mlp_res_norm = RMSNorm(D, eps, dtype, device)
+
+    def ffn(self, x_TD, batch):
+        if hasattr(self, "mlp"):
+            return self.mlp(x_TD)
+        return self.block_sparse_moe(x_TD, batch)
+
+    def forward(self, stream: Stream, batch: ForwardBatch, cache=None) -> Stream:
+        if self.block_size is None:  # Kimi Linear: pre-norm residual in stream.partial
+            h = stream.partial
+            h = h + self.self_attn(self.input_layernorm(h), batch, cache)
+            h = h + self.ffn(self.post_attention_layernorm(h), batch)
+            return Stream(partial=h)
+        bank, p = stream.bank, stream.partial
+        h = mix(stream, self.self_attention_res_proj, self.self_attention_res_norm)
+        if self.layer_idx % self.block_size == 0:  # the partial sum is a finished block
+            bank, p = bank + [p], None
+        a = self.self_attn(self.input_layernorm(h), batch, cache)
+        p = a if p is None else p + a
+        h = mix(Stream(bank, p), self.mlp_res_proj, self.mlp_res_norm)
+        p = p + self.ffn(self.post_attention_layernorm(h), batch)
+        return Stream(bank, p)
+
+
+class K3Model(nn.Module):
+    """The whole model or the layers [first_layer, last_layer) of it.
+
+    `forward(input_ids [B, T])` is the plain API: a full causal forward from an empty cache,
+    returning logits [B, T, V]. The engine calls `forward_batch` with packed tokens, a
+    `ForwardBatch` and a cache.
+    """
+
+    def __init__(self, config, *, layer_range: tuple[int, int] | None = None, dtype=None,
+                 device=None):  # fmt: skip
+        super().__init__()
+        self.config = config
+        first, last = layer_range or (0, config.num_hidden_layers)
+        self.layer_range = (first, last)
+        D, eps = config.hidden_size, config.rms_norm_eps
+        self.model = nn.Module()
+        if first == 0:
+            self.model.embed_tokens = nn.Embedding(config.vocab_size, D, dtype=dtype, device=device)
+        self.model.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(config, i, dtype, device) for i in range(first, last)}
+        )
+        if last == config.num_hidden_layers:
+            self.model.norm = RMSNorm(D, eps, dtype, device)
+            if config.has_attn_res:
+                self.model.output_attn_res_proj = linear(D, 1, dtype, device)
+                self.model.output_attn_res_norm = RMSNorm(D, eps, dtype, device)
+            self.lm_head = linear(D, config.vocab_size, dtype, device)
+
+    @property
+    def is_first(self) -> bool:
+        return self.layer_range[0] == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.layer_range[1] == self.config.num_hidden_layers
+
+    def set_backend(self, backend: str) -> "K3Model":
+        """'torch' (fp32 reference ops) or 'fla' (fla-core kernels, CUDA) for the KDA core."""
+        for m in self.modules():
+            if isinstance(m, KimiDeltaAttention):
+                m.backend = backend
+        return self
+
+    def embed(self, input_ids_T) -> Stream:
+        e = self.model.embed_tokens(input_ids_T)
+        return Stream(partial=e)  # b_0 is banked by layer 0
+
+    def run_layers(self, stream: Stream, batch: ForwardBatch, cache=None) -> Stream:
+        for layer in self.model.layers.values():
+            stream = layer(stream, batch, cache)
+        return stream
+
+    def final_hidden(self, stream: Stream):
+        """RMSNorm_final(AttnRes_out(bank, partial)) [T, D]."""
+        if self.config.has_attn_res:
+            h = mix(stream, self.model.output_attn_res_proj, self.model.output_attn_res_norm)
+        else:
+            h = stream.partial
+        return self.model.norm(h)
+
+    def forward_batch(self, input_ids_T, batch: ForwardBatch, cache=None, *,
+                      all_logits: bool = False):  # fmt: skip
+        """Whole-model forward on packed tokens. Returns logits [num_seqs, V] at each
+        sequence's last new token, or [T, V] for every token with all_logits."""
+        stream = self.run_layers(self.embed(input_ids_T), batch, cache)
+        h = self.final_hidden(stream)
+        if not all_logits:
+            h = h[batch.last_token_idx]
+        return self.lm_head(h)
+
+    def forward(self, input_ids):
+        """input_ids [B, T] -> logits [B, T, V]: a full causal forward from an empty cache."""
+        B, T = input_ids.shape
+        batch = ForwardBatch.fresh([T] * B)
+        logits = self.forward_batch(input_ids.reshape(-1), batch, all_logits=True)
+        return logits.view(B, T, -1)

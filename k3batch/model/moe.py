@@ -1,0 +1,107 @@
+"""MoE router and LatentMoE (spec section 6).
+
+Router: sigmoid scores in fp32, top-k selection on score + correction bias, weights from the
+unbiased scores (renormalized, times routed_scaling_factor). K3 routes in a latent width:
+down-project, experts in the latent, fp32 weighted combine, latent RMSNorm, up-project; the
+shared experts run on the full-width input. Kimi Linear's experts run at full width.
+Expert ids can be pinned per layer through `ForwardBatch.pinned_routes` (tests of sharded
+paths), and are reported through `ForwardBatch.routes_out`.
+Shape legend: T tokens, D hidden, Lt latent width, I expert width, E experts, k top-k.
+"""
+
+import torch
+from torch import nn
+
+from k3batch.model.layers import GatedMLP, RMSNorm, gated_act, linear
+
+
+class Router(nn.Module):
+    def __init__(self, config, dtype=None, device=None):
+        super().__init__()
+        self.top_k, self.renormalize = config.num_experts_per_token, config.moe_renormalize
+        self.scaling = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=dtype, device=device))
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(config.num_experts, dtype=torch.float32, device=device)
+        )
+
+    def forward(self, x_TD, pinned_ids=None):
+        """Returns (expert ids [T, k] int64, weights [T, k] fp32)."""
+        scores = torch.sigmoid(x_TD.float() @ self.weight.float().t())  # [T, E]
+        if pinned_ids is None:
+            ids = torch.topk(scores + self.e_score_correction_bias.float(), self.top_k, dim=-1).indices
+        else:
+            ids = pinned_ids.to(scores.device)
+        w = scores.gather(-1, ids)
+        if self.renormalize:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return ids, w * self.scaling
+
+
+class Experts(nn.Module):
+    """E gated experts stacked as w1, w3 [E, I, Din] and w2 [E, Din, I] (HF names
+    experts.{e}.w1/w2/w3 map onto slices of these)."""
+
+    def __init__(self, config, in_size: int, dtype=None, device=None):
+        super().__init__()
+        E, I = config.num_experts, config.moe_intermediate_size
+        self.act, self.beta, self.linear_beta = config.hidden_act, config.situ_beta, config.situ_linear_beta
+        self.w1 = nn.Parameter(torch.empty(E, I, in_size, dtype=dtype, device=device))
+        self.w3 = nn.Parameter(torch.empty(E, I, in_size, dtype=dtype, device=device))
+        self.w2 = nn.Parameter(torch.empty(E, in_size, I, dtype=dtype, device=device))
+
+    def forward(self, x_TD, ids_Tk, weights_Tk):
+        """sum_i w_i E_i(x) per token, accumulated in fp32; returns fp32 [T, Din]."""
+        out = torch.zeros(x_TD.shape[0], x_TD.shape[1], dtype=torch.float32, device=x_TD.device)
+        flat = ids_Tk.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.w1.shape[0]).tolist()
+        token = order // ids_Tk.shape[1]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            sel = order[start : start + n]
+            tok = token[start : start + n]
+            start += n
+            xe = x_TD[tok]
+            h = gated_act(xe @ self.w1[e].t(), xe @ self.w3[e].t(), self.act, self.beta, self.linear_beta)
+            ye = (h @ self.w2[e].t()).float() * weights_Tk.reshape(-1)[sel, None]
+            out.index_add_(0, tok, ye)
+        return out
+
+
+class SparseMoE(nn.Module):
+    """HF `block_sparse_moe`: gate (router), experts, shared_experts, and for K3 the latent
+    projections routed_expert_down_proj / routed_expert_up_proj / routed_expert_norm."""
+
+    def __init__(self, config, layer_idx: int, dtype=None, device=None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        D, latent = config.hidden_size, config.routed_expert_hidden_size
+        self.gate = Router(config, dtype, device)
+        self.experts = Experts(config, latent or D, dtype, device)
+        if config.num_shared_experts:
+            inter = config.moe_intermediate_size * config.num_shared_experts
+            self.shared_experts = GatedMLP(config, D, inter, dtype, device)
+        if latent is not None:
+            self.routed_expert_down_proj = linear(D, latent, dtype, device)
+            self.routed_expert_up_proj = linear(latent, D, dtype, device)
+            if config.latent_moe_use_norm:
+                self.routed_expert_norm = RMSNorm(latent, config.rms_norm_eps, dtype, device)
+
+    def forward(self, x_TD, batch):
+        pinned = (batch.pinned_routes or {}).get(self.layer_idx)
+        ids, w = self.gate(x_TD, pinned)
+        if batch.routes_out is not None:
+            batch.routes_out[self.layer_idx] = ids
+        if hasattr(self, "routed_expert_down_proj"):
+            y = self.experts(self.routed_expert_down_proj(x_TD), ids, w).to(x_TD.dtype)
+            if hasattr(self, "routed_expert_norm"):
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        else:
+            y = self.experts(x_TD, ids, w).to(x_TD.dtype)
+        if hasattr(self, "shared_experts"):
+            y = y + self.shared_experts(x_TD)
+        return y

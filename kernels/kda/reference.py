@@ -1,0 +1,132 @@
+"""Plain-torch fp32 reference of the KDA core: gate, L2 norm, recurrence (stepwise and chunked),
+short convolution with a cached state, and the sigmoid-gated RMSNorm.
+
+This is both the CPU backend of the engine and the oracle the Triton/fla path is tested against.
+Shapes: T tokens of one sequence (or packed, with `cu_seqlens`), N sequences, H heads, K key
+dim, V value dim, C conv channels, W conv kernel width. The recurrent state is K-first
+[N, H, K, V], fp32. Conv states keep the last W-1 inputs, oldest first: [N, C, W-1].
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def kda_gate(f_THK, A_log_H, dt_bias, lower_bound: float | None):
+    """Log-decay g in fp32, shape of f. K3: lower_bound * sigmoid(exp(A) * (f + dt_bias));
+    Kimi Linear (lower_bound None): -exp(A) * softplus(f + dt_bias)."""
+    H, K = f_THK.shape[-2:]
+    x = f_THK.float() + dt_bias.float().view(H, K)
+    a = A_log_H.float().view(H, 1).exp()
+    if lower_bound is None:
+        return -a * F.softplus(x)
+    return lower_bound * torch.sigmoid(a * x)
+
+
+def l2norm(x, eps: float = 1e-6):
+    """x / sqrt(sum x^2 + eps) over the last dim, in fp32."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def kda_recurrent(q, k, v, g, beta, scale: float, initial_state=None):
+    """Step-by-step delta rule for one sequence.
+
+    q, k: [T, H, K] (already L2-normalized); v: [T, H, V]; g: [T, H, K] log-decay; beta: [T, H]
+    (after the sigmoid); initial_state: [H, K, V] fp32 or None. Returns (o [T, H, V] fp32,
+    final state [H, K, V] fp32). Per step: S <- exp(g) S; u = beta (v - S^T k); S <- S + k u^T;
+    o = scale * S^T q.
+    """
+    T, H, K = q.shape
+    V = v.shape[-1]
+    S = q.new_zeros(H, K, V, dtype=torch.float32)
+    if initial_state is not None:
+        S = S + initial_state.float()
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    o = q.new_empty(T, H, V, dtype=torch.float32)
+    for t in range(T):
+        S = S * g[t].exp()[..., None]
+        u = beta[t][:, None] * (v[t] - torch.einsum("hk,hkv->hv", k[t], S))
+        S = S + k[t][..., None] * u[:, None, :]
+        o[t] = torch.einsum("hk,hkv->hv", q[t], S) * scale
+    return o, S
+
+
+def kda_chunked(q, k, v, g, beta, scale: float, initial_state=None, chunk_size: int = 64):
+    """The same recurrence in chunks (WY / UT form), exact up to rounding; same args as
+    `kda_recurrent`. Within a chunk with cumulative log-decay G_t, the corrections U solve
+    (I + diag(beta) A) U = diag(beta) (V - (exp(G) * K) S0) with A[t, s] = sum_c k_t k_s
+    exp(G_t - G_s) for s < t. Only differences G_t - G_s <= 0 are exponentiated."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    S = q.new_zeros(H, K, V, dtype=torch.float32)
+    if initial_state is not None:
+        S = S + initial_state.float()
+    q, k, v, g, beta = (t.float().transpose(0, 1) for t in (q, k, v, g, beta))  # head-major
+    o = q.new_empty(H, T, V)
+    for c0 in range(0, T, chunk_size):
+        sl = slice(c0, min(c0 + chunk_size, T))
+        qc, kc, vc, bc = q[:, sl], k[:, sl], v[:, sl], beta[:, sl]
+        G = g[:, sl].cumsum(1)  # [H, C, K]
+        C = G.shape[1]
+        diff = G[:, :, None, :] - G[:, None, :, :]  # [H, t, s, K]
+        causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        decay = torch.where(causal[None, :, :, None], diff, float("-inf")).exp()
+        A_qk = torch.einsum("htk,hsk,htsk->hts", qc, kc, decay)  # s <= t
+        A_kk = torch.einsum("htk,hsk,htsk->hts", kc, kc, decay).tril(-1)  # s < t
+        eye = torch.eye(C, device=q.device)
+        lhs = eye + bc[..., None] * A_kk
+        rhs = bc[..., None] * (vc - (G.exp() * kc) @ S)
+        U = torch.linalg.solve_triangular(lhs, rhs, upper=False, unitriangular=True)
+        o[:, sl] = scale * ((G.exp() * qc) @ S + A_qk @ U)
+        last = G[:, -1:, :]  # [H, 1, K]
+        S = last.transpose(1, 2).exp() * S + ((last - G).exp() * kc).transpose(1, 2) @ U
+    return o.transpose(0, 1), S
+
+
+def kda_core(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, initial_state, cu_seqlens,
+             chunked: bool):  # fmt: skip
+    """The KDA core on a packed batch, from raw inputs (as fla's kernels take them with the
+    gate, beta sigmoid and q/k L2 norm "in kernel").
+
+    q, k: [T, H, K] after the short conv; v: [T, H, V]; f: [T, H, K] raw decay logits; b: [T, H]
+    raw beta logits; initial_state: [N, H, K, V] fp32; cu_seqlens: list of N+1 offsets.
+    Returns (o [T, H, V] fp32, final states [N, H, K, V] fp32).
+    """
+    g = kda_gate(f, A_log, dt_bias, lower_bound)
+    beta = torch.sigmoid(b.float())
+    q, k = l2norm(q), l2norm(k)
+    run = kda_chunked if chunked else kda_recurrent
+    outs, states = [], []
+    for n in range(len(cu_seqlens) - 1):
+        sl = slice(cu_seqlens[n], cu_seqlens[n + 1])
+        o, S = run(q[sl], k[sl], v[sl], g[sl], beta[sl], scale, initial_state[n])
+        outs.append(o)
+        states.append(S)
+    return torch.cat(outs), torch.stack(states)
+
+
+def short_conv(x, weight_CW, conv_state, cu_seqlens):
+    """Causal depthwise conv + SiLU per sequence, continuing from a cached state.
+
+    x: [T, C]; weight_CW: [C, W] (nn.Conv1d order: column W-1 multiplies the current token);
+    conv_state: [N, C, W-1], the previous W-1 inputs, oldest first (zeros for a fresh sequence).
+    Returns (y [T, C] in x's dtype, new conv_state [N, C, W-1] in x's dtype).
+    """
+    C, W = weight_CW.shape
+    ys, states = [], []
+    w = weight_CW.float()
+    for n in range(len(cu_seqlens) - 1):
+        xs = x[cu_seqlens[n] : cu_seqlens[n + 1]]
+        full = torch.cat([conv_state[n].to(x.dtype), xs.t()], dim=1)  # [C, W-1+t]
+        y = F.conv1d(full.float()[None], w[:, None, :], groups=C)[0]  # [C, t]
+        ys.append(F.silu(y).t().to(x.dtype))
+        states.append(full[:, full.shape[1] - (W - 1) :])
+    return torch.cat(ys), torch.stack(states)
+
+
+def gated_rms_norm(o, z, weight, eps: float):
+    """RMSNorm over the last dim (weight shared by heads) times sigmoid(z); fp32 math.
+    o, z: [..., V]; returns o's dtype."""
+    x = o.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (x * torch.sigmoid(z.float())).to(o.dtype)
