@@ -42,3 +42,14 @@ class StateCache:
     def bytes_per_slot(self) -> int:
         tensors = [*self.kda_state.values(), *self.kda_conv.values(), *self.mla_latent.values()]
         return sum(t[0].numel() * t.element_size() for t in tensors)
+
+
+def kda_state_bytes(config, tp_size: int = 1) -> int:
+    """fp32 recurrent KDA state of one request on one rank, all KDA layers (heads split tp ways)."""
+    heads = config.kda_num_heads // tp_size
+    return len(config.kda_layer_ids) * heads * config.kda_head_dim**2 * 4
+
+
+def mla_bytes_per_token(config, dtype_bytes: int = 2) -> int:
+    """Cached MLA latent of one token, all MLA layers (replicated under TP)."""
+    return len(config.mla_layer_ids) * config.mla_latent_size * dtype_bytes

@@ -1,0 +1,203 @@
+"""Engine: requests in, tokens out, on one device.
+
+Contract: the engine knows nothing of text. `add_request` queues token ids; each `step` runs one
+forward (a prefill batch of prompt chunks if any request still has prompt left, otherwise one
+decode token for every running request) and returns the requests that finished in it. Each
+request owns one cache slot (KDA states, conv states, MLA latents) from admission to finish.
+Admission is bounded by the number of slots; a prompt chunk is at most `chunk_size` tokens and a
+prefill batch at most `max_batch_tokens` tokens.
+"""
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from k3batch.cache.state_cache import StateCache
+from k3batch.engine.request import GenerationResult, Phase, Request, SamplingParams
+from k3batch.engine.sampler import make_generator, sample
+from k3batch.model.forward_batch import ForwardBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    max_num_seqs: int = 8  # cache slots = requests in flight
+    max_seq_len: int = 4096  # prompt + output tokens per request
+    chunk_size: int = 256  # prompt tokens per request per prefill step
+    max_batch_tokens: int = 2048  # tokens per prefill step
+
+    def validate(self) -> "EngineConfig":
+        for name in ("max_num_seqs", "max_seq_len", "chunk_size", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} = {getattr(self, name)} must be >= 1")
+        if self.chunk_size > self.max_batch_tokens:
+            raise ValueError(
+                f"chunk_size = {self.chunk_size} > max_batch_tokens = {self.max_batch_tokens}"
+            )
+        return self
+
+
+class Engine:
+    def __init__(self, model, config: EngineConfig = EngineConfig(), *,
+                 eos_token_ids: tuple[int, ...] | None = None):  # fmt: skip
+        self.model = model
+        self.config = config.validate()
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        mcfg = model.config
+        self.vocab_size = mcfg.vocab_size
+        self.eos_token_ids = tuple(eos_token_ids or (mcfg.eos_token_id,))
+        self.cache = StateCache(
+            mcfg, range(mcfg.num_hidden_layers), num_slots=config.max_num_seqs,
+            max_seq_len=config.max_seq_len, device=self.device, dtype=self.dtype,
+        )  # fmt: skip
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._generators: dict[str, torch.Generator] = {}
+        self._errors: list[GenerationResult] = []
+
+    # ---- queue ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling: SamplingParams | None = None) -> None:  # fmt: skip
+        """Queue a request. A request that can never run (empty prompt, ids outside the
+        vocabulary, longer than max_seq_len, bad sampling values) finishes at the next step with
+        finish_reason 'error' and the reason in `error`; it never stops other requests."""
+        sampling = sampling or SamplingParams()
+        req = Request(request_id, list(prompt_token_ids), sampling)
+        reason = self._check(req)
+        if reason:
+            self._errors.append(GenerationResult(request_id, req.prompt_token_ids, [], "error",
+                                                 error=reason))  # fmt: skip
+            return
+        self._generators[request_id] = make_generator(sampling)
+        self.waiting.append(req)
+
+    def _check(self, req: Request) -> str | None:
+        try:
+            req.sampling.validate()
+        except ValueError as e:
+            return str(e)
+        ids = req.prompt_token_ids
+        if not ids:
+            return "empty prompt"
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
+        if len(ids) >= self.config.max_seq_len:
+            return f"prompt of {len(ids)} tokens leaves no room in max_seq_len = {self.config.max_seq_len}"
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._errors)
+
+    # ---- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[GenerationResult]:
+        done, self._errors = self._errors, []
+        while self.waiting and self.cache.num_free_slots:
+            req = self.waiting.popleft()
+            req.slot_id, req.phase = self.cache.alloc(), Phase.PREFILL
+            self.running.append(req)
+        prefill = [r for r in self.running if r.phase is Phase.PREFILL]
+        if prefill:
+            self._prefill(prefill)
+        elif self.running:
+            self._decode(self.running)
+        for req in [r for r in self.running if r.phase is Phase.FINISHED]:
+            self.running.remove(req)
+            self.cache.free(req.slot_id)
+            gen = self._generators.pop(req.request_id)
+            del gen
+            done.append(self._result(req))
+        return done
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        batch_reqs, lens, budget = [], [], self.config.max_batch_tokens
+        for r in reqs:
+            n = min(self.config.chunk_size, len(r.prompt_token_ids) - r.num_computed, budget)
+            if n <= 0:
+                break
+            batch_reqs.append(r)
+            lens.append(n)
+            budget -= n
+        ids = [t for r, n in zip(batch_reqs, lens) for t in r.prompt_token_ids[r.num_computed : r.num_computed + n]]
+        batch = ForwardBatch(seq_lens=lens, cached_lens=[r.num_computed for r in batch_reqs],
+                             slot_ids=[r.slot_id for r in batch_reqs])  # fmt: skip
+        want_all = any(r.sampling.prompt_logprobs for r in batch_reqs)
+        logits = self._forward(ids, batch, all_logits=want_all)
+        cu = batch.cu_seqlens
+        for j, (r, n) in enumerate(zip(batch_reqs, lens)):
+            if want_all:
+                rows = logits[cu[j] : cu[j + 1]]
+                if r.sampling.prompt_logprobs:
+                    self._add_prompt_logprobs(r, rows, n)
+                last = rows[-1]
+            else:
+                last = logits[j]
+            r.num_computed += n
+            if r.num_computed == len(r.prompt_token_ids):
+                r.phase = Phase.DECODE
+                self._append_token(r, last)
+
+    def _add_prompt_logprobs(self, req: Request, rows_TV, n: int) -> None:
+        """rows_TV: logits at prompt positions num_computed .. num_computed+n-1."""
+        if req.num_computed == 0:
+            req.prompt_logprobs.append(None)
+        start = req.num_computed
+        targets = req.prompt_token_ids[start + 1 : start + n + 1]
+        lp = torch.log_softmax(rows_TV[: len(targets)], dim=-1)
+        req.prompt_logprobs.extend(lp.gather(-1, torch.tensor(targets)[:, None])[:, 0].tolist())
+
+    def _decode(self, reqs: list[Request]) -> None:
+        ids = [r.all_token_ids[-1] for r in reqs]
+        batch = ForwardBatch(seq_lens=[1] * len(reqs), cached_lens=[r.num_computed for r in reqs],
+                             slot_ids=[r.slot_id for r in reqs])  # fmt: skip
+        logits = self._forward(ids, batch, all_logits=False)
+        for r, row in zip(reqs, logits):
+            r.num_computed += 1
+            self._append_token(r, row)
+
+    def _forward(self, ids: list[int], batch: ForwardBatch, *, all_logits: bool):
+        x = torch.tensor(ids, dtype=torch.long, device=self.device)
+        logits = self.model.forward_batch(x, batch, self.cache, all_logits=all_logits)
+        return logits.float().cpu()
+
+    def _append_token(self, req: Request, logits_V) -> None:
+        p = req.sampling
+        tok = sample(logits_V, p, self._generators[req.request_id])
+        req.output_token_ids.append(tok)
+        if p.logprobs:
+            req.output_logprobs.append(float(torch.log_softmax(logits_V, -1)[tok]))
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        if tok in stops:
+            req.finish_reason = "stop"
+        elif len(req.output_token_ids) >= p.max_new_tokens or (
+            len(req.all_token_ids) >= self.config.max_seq_len
+        ):
+            req.finish_reason = "length"
+        if req.finish_reason:
+            req.phase = Phase.FINISHED
+
+    def _result(self, req: Request) -> GenerationResult:
+        p = req.sampling
+        return GenerationResult(
+            req.request_id, req.prompt_token_ids, req.output_token_ids, req.finish_reason,
+            output_logprobs=req.output_logprobs if p.logprobs else None,
+            prompt_logprobs=req.prompt_logprobs if p.prompt_logprobs else None,
+        )  # fmt: skip
+
+    # ---- convenience ----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
+        """Run prompts to completion; results in the order of `prompts`."""
+        if not isinstance(sampling, list):
+            sampling = [sampling] * len(prompts)
+        for i, (ids, sp) in enumerate(zip(prompts, sampling)):
+            self.add_request(str(i), ids, sp)
+        out: dict[str, GenerationResult] = {}
+        while self.has_unfinished():
+            for res in self.step():
+                out[res.request_id] = res
+        return [out[str(i)] for i in range(len(prompts))]
