@@ -4,6 +4,10 @@ import torch
 from k3batch.model import K3Model, get_flavor
 from k3batch.model.init import init_random_
 
+# The tiny CPU models are bound by per-op overhead; one intra-op thread avoids spin contention
+# on small CI machines.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def model_factory():

@@ -1,0 +1,153 @@
+"""The single-device engine against the cache-free full forward: chunked prefill, decode steps,
+mixed-length batches, sampling options and per-request errors. k3-debug and kimi-linear-debug in
+fp32 on CPU. Tolerance: the random 93-layer model amplifies fp32 rounding about 1000-fold
+(a 1e-6 change of the embedding moves logits by ~1e-3), so logits are compared at 2e-3 and
+cache tensors at 1e-3; greedy tokens must match exactly."""
+
+import pytest
+import torch
+
+from k3batch.cache.state_cache import StateCache
+from k3batch.engine.engine import Engine, EngineConfig
+from k3batch.engine.request import SamplingParams
+from k3batch.model.forward_batch import ForwardBatch
+
+ATOL = 2e-3
+
+
+def _prompt(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _prefill(model, ids, chunk):
+    cache = StateCache(model.config, range(model.config.num_hidden_layers), num_slots=2,
+                       max_seq_len=128, device="cpu", dtype=torch.float32)  # fmt: skip
+    slot = cache.alloc()
+    rows = []
+    with torch.no_grad():
+        for s in range(0, len(ids), chunk):
+            part = ids[s : s + chunk]
+            b = ForwardBatch(seq_lens=[len(part)], cached_lens=[s], slot_ids=[slot])
+            rows.append(model.forward_batch(torch.tensor(part), b, cache, all_logits=True))
+    return torch.cat(rows), cache, slot
+
+
+@pytest.mark.parametrize("flavor", ["k3-debug", "kimi-linear-debug"])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_prefill_equals_unchunked(model_factory, flavor, chunk):
+    model = model_factory(flavor)
+    ids = _prompt(23, 1)
+    with torch.no_grad():
+        full = model(torch.tensor([ids]))[0]
+    logits, cache, slot = _prefill(model, ids, chunk)
+    torch.testing.assert_close(logits, full, rtol=0, atol=ATOL)
+    ref_logits, ref_cache, ref_slot = _prefill(model, ids, 64)
+    for name in ("kda_state", "kda_conv", "mla_latent"):
+        for layer, t in getattr(cache, name).items():
+            ref = getattr(ref_cache, name)[layer][ref_slot]
+            torch.testing.assert_close(t[slot], ref, rtol=1e-3, atol=1e-3, msg=f"{name}[{layer}]")
+
+
+@pytest.mark.parametrize("flavor", ["k3-debug", "kimi-linear-debug"])
+def test_prefill_then_decode_equals_full_forward(model_factory, flavor):
+    model = model_factory(flavor)
+    ids = _prompt(30, 2)
+    with torch.no_grad():
+        full = model(torch.tensor([ids]))[0]
+    _, cache, slot = _prefill(model, ids[:12], 5)
+    with torch.no_grad():
+        for pos in range(12, 30):
+            b = ForwardBatch(seq_lens=[1], cached_lens=[pos], slot_ids=[slot])
+            assert b.is_decode
+            out = model.forward_batch(torch.tensor([ids[pos]]), b, cache)
+            torch.testing.assert_close(out[0], full[pos], rtol=0, atol=ATOL)
+
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True, logprobs=True)
+
+
+def test_mixed_batch_equals_each_alone(model_factory):
+    model = model_factory("k3-debug")
+    prompts = [_prompt(n, n) for n in (3, 17, 40, 1)]
+    cfg = EngineConfig(max_num_seqs=3, max_seq_len=64, chunk_size=7, max_batch_tokens=16)
+    together = Engine(model, cfg).generate(prompts, GREEDY)
+    for p, res in zip(prompts, together):
+        alone = Engine(model, cfg).generate([p], GREEDY)[0]
+        assert alone.output_token_ids == res.output_token_ids
+        torch.testing.assert_close(alone.output_logprobs, res.output_logprobs, rtol=0, atol=ATOL)
+
+
+def test_greedy_tokens_and_logprobs_match_full_forward(model_factory):
+    model = model_factory("k3-debug")
+    prompts = [_prompt(n, 10 + n) for n in (9, 20)]
+    sp = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True, logprobs=True,
+                        prompt_logprobs=True)  # fmt: skip
+    results = Engine(model, EngineConfig(max_seq_len=64, chunk_size=8)).generate(prompts, sp)
+    for p, r in zip(prompts, results):
+        seq = torch.tensor([p + r.output_token_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(seq)[0], -1)
+        L = len(p)
+        assert r.output_token_ids == lp[L - 1 : -1].argmax(-1).tolist()
+        assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == L
+        ref_prompt = lp[: L - 1].gather(-1, seq[0, 1:L, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(r.prompt_logprobs[1:]), ref_prompt, rtol=0, atol=ATOL)
+        ref_out = lp[L - 1 : -1].gather(-1, seq[0, L:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(r.output_logprobs), ref_out, rtol=0, atol=ATOL)
+
+
+def test_sampling_options(model_factory):
+    model = model_factory("kimi-linear-debug")
+    eng = lambda: Engine(model, EngineConfig(max_seq_len=64))  # noqa: E731
+    p = [_prompt(6, 3)]
+    greedy = eng().generate(p, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))[0]
+    top1 = eng().generate(p, SamplingParams(top_k=1, max_new_tokens=8, ignore_eos=True))[0]
+    tiny_p = eng().generate(p, SamplingParams(top_p=1e-6, max_new_tokens=8, ignore_eos=True))[0]
+    assert greedy.output_token_ids == top1.output_token_ids == tiny_p.output_token_ids
+    seeded = SamplingParams(temperature=1.5, seed=7, max_new_tokens=8, ignore_eos=True)
+    a = eng().generate(p, seeded)[0].output_token_ids
+    b = eng().generate([p[0], _prompt(9, 4)], [seeded, seeded])[0].output_token_ids
+    assert a == b  # the seed decides, not the batch
+    stop = greedy.output_token_ids[2]
+    r = eng().generate(p, SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=(stop,)))[0]
+    assert r.finish_reason == "stop" and r.output_token_ids[-1] == stop
+    assert greedy.finish_reason == "length" and len(greedy.output_token_ids) == 8
+
+
+def test_eos_stops_unless_ignored(model_factory):
+    model = model_factory("kimi-linear-debug")
+    p = [_prompt(6, 3)]
+    greedy = Engine(model, EngineConfig(max_seq_len=64)).generate(
+        p, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))[0]  # fmt: skip
+    eos = greedy.output_token_ids[1]
+    eng = Engine(model, EngineConfig(max_seq_len=64), eos_token_ids=(eos,))
+    r = eng.generate(p, SamplingParams(temperature=0, max_new_tokens=8))[0]
+    assert r.finish_reason == "stop" and r.output_token_ids == greedy.output_token_ids[:2]
+
+
+def test_bad_requests_get_errors_and_others_go_on(model_factory):
+    model = model_factory("kimi-linear-debug")
+    eng = Engine(model, EngineConfig(max_seq_len=32))
+    good = SamplingParams(temperature=0, max_new_tokens=2)
+    cases = {
+        "empty": ([], good),
+        "negative": ([1, -3], good),
+        "past_vocab": ([1, 512], good),
+        "too_long": (list(range(40)), good),
+        "temperature": ([1, 2], SamplingParams(temperature=-1)),
+        "top_p": ([1, 2], SamplingParams(top_p=0)),
+        "max_new": ([1, 2], SamplingParams(max_new_tokens=0)),
+        "ok": ([1, 2, 3], good),
+    }
+    for rid, (ids, sp) in cases.items():
+        eng.add_request(rid, ids, sp)
+    out = {}
+    while eng.has_unfinished():
+        out |= {r.request_id: r for r in eng.step()}
+    assert set(out) == set(cases)
+    for rid in cases:
+        if rid == "ok":
+            assert out[rid].error is None and len(out[rid].output_token_ids) >= 1
+        else:
+            assert out[rid].finish_reason == "error" and out[rid].error, rid
+    assert "vocabulary" in out["past_vocab"].error and "temperature" in out["temperature"].error
