@@ -18,6 +18,17 @@ from k3batch.model.mla import KimiMLAAttention
 from k3batch.model.moe import SparseMoE
 
 
+class Embedding(nn.Module):
+    """Token embedding, not scaled. Uninitialized: weights come from a checkpoint or init.py."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype=None, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device))
+
+    def forward(self, ids):
+        return torch.nn.functional.embedding(ids, self.weight)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, dtype=None, device=None):
         super().__init__()
@@ -79,7 +90,7 @@ class K3Model(nn.Module):
         D, eps = config.hidden_size, config.rms_norm_eps
         self.model = nn.Module()
         if first == 0:
-            self.model.embed_tokens = nn.Embedding(config.vocab_size, D, dtype=dtype, device=device)
+            self.model.embed_tokens = Embedding(config.vocab_size, D, dtype, device)
         self.model.layers = nn.ModuleDict(
             {str(i): DecoderLayer(config, i, dtype, device) for i in range(first, last)}
         )
