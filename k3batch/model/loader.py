@@ -1,0 +1,59 @@
+"""`load_model`: a checkpoint directory -> a K3Model (or one pipeline stage of it), in eval mode.
+
+The config comes from the directory's config.json; the index is checked against the model
+(built on the meta device) before any weight memory is allocated; then the parameters are
+allocated on the target device and filled shard by shard (`k3batch.model.weights`).
+"""
+
+from pathlib import Path
+
+import torch
+
+from k3batch.model.config import K3Config
+from k3batch.model.k3 import K3Model
+from k3batch.model.weights import load_weights_, plan_load
+
+_BACKENDS = ("auto", "torch", "fla")
+
+
+def load_model(
+    path,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    layer_range: tuple[int, int] | None = None,
+    backend: str = "auto",
+) -> K3Model:
+    """Load the checkpoint at `path`.
+
+    Args:
+        dtype: dtype of the weights (conv weights, A_log, dt_bias and the router's correction
+            bias stay fp32 whatever it is).
+        device: where the parameters live.
+        layer_range: (first, last) to load only layers [first, last) as a pipeline stage: the
+            embedding comes along on the first stage, the final AttnRes, norm and lm_head on the
+            last; other tensors are not read.
+        backend: KDA backend, "torch" or "fla"; "auto" picks "fla" on CUDA, else "torch".
+    Raises:
+        ValueError: bad arguments, a bad config.json, or a checkpoint whose tensors do not match
+            the config (the message names the tensor).
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend = {backend!r}; expected one of {_BACKENDS}")
+    config = K3Config.from_hf(Path(path))
+    if layer_range is not None:
+        first, last = layer_range
+        if not 0 <= first < last <= config.num_hidden_layers:
+            raise ValueError(
+                f"layer_range = {tuple(layer_range)}: need 0 <= first < last <= "
+                f"num_hidden_layers = {config.num_hidden_layers}"
+            )
+        layer_range = (first, last)
+    with torch.device("meta"):
+        model = K3Model(config, layer_range=layer_range, dtype=dtype)
+    plan = plan_load(path, model)  # raises before anything is allocated
+    model.to_empty(device=device)
+    load_weights_(model, plan)
+    if backend == "auto":
+        backend = "fla" if torch.device(device).type == "cuda" else "torch"
+    return model.set_backend(backend).eval()

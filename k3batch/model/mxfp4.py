@@ -1,0 +1,106 @@
+"""MXFP4 pack / unpack for the routed-expert weights of the K3 checkpoint (spec 11, 14.11).
+
+Format assumed (our reading of compressed-tensors' `mxfp4-pack-quantized`: its
+`pack_fp4_to_uint8` / `unpack_fp4_from_uint8`; not yet checked against the real K3 files):
+- `weight_packed` uint8 [out, in/2]: byte j of a row holds input 2j in its LOW nibble and
+  input 2j+1 in its HIGH nibble.
+- each nibble is FP4 E2M1: bit 3 is the sign, bits 0..2 index {0, 0.5, 1, 1.5, 2, 3, 4, 6}.
+- `weight_scale` uint8 [out, ceil(in/32)]: one E8M0 scale per 32 consecutive inputs of a row,
+  value 2^(s - 127) (s = 255 is NaN and never written here). K3's widths are multiples of 32;
+  the tiny flavors' are not (in = 24), so a last partial group is allowed (our extension).
+So w[r, c] = fp4(nibble of packed[r, c // 2]) * 2^(scale[r, c // 32] - 127).
+"""
+
+import torch
+
+GROUP_SIZE = 32
+E8M0_BIAS = 127
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes, indexed by bits 0..2
+# Midpoints between neighbouring magnitudes; a tie rounds to the smaller magnitude.
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n] -> 4-bit codes uint8 [..., 2n] (low nibble first)."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed FP4 data must be uint8, got {packed.dtype}")
+    low, high = packed & 0x0F, packed >> 4
+    return torch.stack([low, high], dim=-1).flatten(-2)
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [..., 2n] (values 0..15) -> uint8 [..., n]; inverse of `unpack_fp4`."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"FP4 packing needs an even last dim, got shape {tuple(codes.shape)}")
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def fp4_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit E2M1 codes -> fp32 values (code 8 is -0.0)."""
+    signed = _E2M1 + tuple(-v for v in _E2M1)
+    table = torch.tensor(signed, dtype=torch.float32, device=codes.device)
+    return table.take(codes.long())
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """uint8 E8M0 exponents -> fp32 powers of two 2^(s - 127), built bit-exactly."""
+    s = scale.to(torch.int32)
+    # s >= 1: exponent field s, zero mantissa. s = 0: 2^-127 is the fp32 subnormal 1 << 22.
+    bits = torch.where(s > 0, s << 23, torch.full_like(s, 1 << 22))
+    bits = torch.where(s == 255, torch.full_like(s, 0x7FC00000), bits)  # NaN
+    return bits.view(torch.float32)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32):
+    """packed uint8 [..., in/2] + scale uint8 [..., ceil(in/32)] -> weight [..., in] in `dtype`
+    (a checkpoint tensor is [out, in]; leading dims are batched).
+
+    Exact: every FP4 value times a power of two is representable in fp32 and bf16.
+    """
+    in_size = 2 * packed.shape[-1]
+    want = (*packed.shape[:-1], -(-in_size // GROUP_SIZE))
+    if scale.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 scales must be uint8 (E8M0), got {scale.dtype}")
+    if tuple(scale.shape) != want:
+        raise ValueError(
+            f"MXFP4 scale shape {list(scale.shape)} does not fit packed shape "
+            f"{list(packed.shape)} (expected {list(want)})"
+        )
+    values = _pad_groups(fp4_to_float(unpack_fp4(packed)))
+    w = values * e8m0_to_float(scale)[..., None]
+    return w.flatten(-2)[..., :in_size].to(dtype)
+
+
+def _pad_groups(x: torch.Tensor) -> torch.Tensor:
+    """[..., in] -> [..., ceil(in/32), 32], zero-padding a partial last group."""
+    pad = -x.shape[-1] % GROUP_SIZE
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.unflatten(-1, (-1, GROUP_SIZE))
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., in] (in even) -> (packed uint8 [..., in/2], scale uint8 [..., ceil(in/32)]).
+
+    Per group of 32 inputs the shared exponent is floor(log2(amax)) - 2 (the OCP MX rule, also
+    what compressed-tensors computes), so amax / 2^e lies in [4, 8) and rounds to 4 or 6; values
+    round to the nearest E2M1 magnitude (ties to the smaller) and clip at 6. An all-zero group
+    gets s = 0. Idempotent on its own output: quantize(dequantize(p, s)) == (p, s) for every
+    (p, s) it produces, so a checkpoint can be rewritten without further loss.
+    """
+    in_size = w.shape[-1]
+    if in_size % 2:
+        raise ValueError(f"MXFP4 needs an even input size, got shape {list(w.shape)}")
+    g = _pad_groups(w.detach().float())
+    amax = g.abs().amax(dim=-1)
+    _, exp = torch.frexp(amax)  # amax = m * 2^exp with m in [0.5, 1): floor(log2 amax) = exp - 1
+    e = torch.where(amax > 0, exp - 3, torch.full_like(exp, -E8M0_BIAS))
+    scale = (e.clamp(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS).to(torch.uint8)
+    scaled = g / e8m0_to_float(scale)[..., None]  # exact: division by a power of two
+    magnitude = scaled.abs()
+    mag = torch.zeros(scaled.shape, dtype=torch.uint8, device=w.device)
+    for bound in _E2M1_MIDPOINTS:  # count the midpoints below |x|; a tie stays below
+        mag += magnitude > bound
+    codes = mag | (torch.signbit(scaled).to(torch.uint8) << 3)
+    return pack_fp4(codes.flatten(-2)[..., :in_size]), scale
