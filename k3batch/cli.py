@@ -51,3 +51,59 @@ def generate(model_dir, prompts, chat, max_new_tokens, temperature, top_p, top_k
     for prompt, (text, res) in zip(prompts, outputs):
         click.echo(f"--- {prompt!r} -> [{res.finish_reason}, {len(res.output_token_ids)} tokens]")
         click.echo(text)
+
+
+_RUN_FLAGS = [
+    # (flag, dotted field, type, help)
+    ("--model", "model", str, "Checkpoint directory (official HF layout)."),
+    ("--input", "input.path", str, "Parquet file, directory, glob or URI."),
+    ("--output", "output.path", str, "Output directory or URI."),
+    ("--name", "name", str, "Job name (report, logs)."),
+    ("--address", "address", str, "Ray cluster to join; default: start a local Ray."),
+    ("--batch-rows", "input.batch_rows", int, "Rows per unit of work and output shard."),
+    ("--max-new-tokens", "sampling.max_new_tokens", int, None),
+    ("--temperature", "sampling.temperature", float, None),
+    ("--top-p", "sampling.top_p", float, None),
+    ("--top-k", "sampling.top_k", int, None),
+    ("--seed", "sampling.seed", int, None),
+    ("--replicas", "replicas.num_replicas", int, "Number of model replicas."),
+    ("--pp", "replicas.pp", int, "Pipeline-parallel prefill stages per replica."),
+    ("--tp", "replicas.tp", int, "Tensor-parallel decode ranks per replica."),
+    ("--dcp", "replicas.dcp", int, "Decode context parallelism for the MLA latent."),
+    ("--device", "replicas.device", str, "auto, cpu or cuda."),
+    ("--accelerator-type", "replicas.accelerator_type", str, "e.g. H200."),
+    ("--max-inflight-rows", "replicas.max_inflight_rows", int, "Rows in flight per replica."),
+    ("--max-num-seqs", "engine.max_num_seqs", int, "Requests decoded together per replica."),
+    ("--max-seq-len", "engine.max_seq_len", int, "Prompt + output tokens per request."),
+    ("--chunk-size", "engine.chunk_size", int, "Prompt tokens per request per prefill step."),
+]
+
+
+def _run_options(fn):
+    for flag, field, typ, help_ in reversed(_RUN_FLAGS):
+        dest = field.replace(".", "__")
+        fn = click.option(flag, dest, type=typ, default=None, help=help_)(fn)
+    for flag, field in (("--logprobs/--no-logprobs", "output__logprobs"),
+                        ("--ignore-eos/--no-ignore-eos", "sampling__ignore_eos")):  # fmt: skip
+        fn = click.option(flag, field, default=None)(fn)
+    return fn
+
+
+@main.command()
+@click.argument("job", required=False, type=click.Path(dir_okay=False))
+@_run_options
+def run(job, **flags):
+    """Run the batch job JOB (a .toml or .yaml spec); flags override its fields."""
+    from k3batch.driver import run_job
+    from k3batch.jobspec import JobSpec, load_job_spec, with_overrides
+
+    try:
+        spec = load_job_spec(job) if job else JobSpec()
+        spec = with_overrides(spec, {k.replace("__", "."): v for k, v in flags.items()})
+        report = run_job(spec)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(report.summary())
+    click.echo(f"output: {spec.output.path}\nreport: {spec.output.path}/_k3batch_report.json")
+    if report.unreadable_inputs:
+        raise SystemExit(2)

@@ -1,0 +1,184 @@
+"""JobSpec: what a batch job reads, how it generates, where it writes, on what resources.
+
+A spec is a TOML or YAML file with the sections below (every field can also be set by a CLI
+flag, see `cli.py`); `validate()` checks everything that can be checked before any model is
+loaded and raises `ValueError` naming the field. Example: `jobs/debug_cpu.toml`.
+
+    model = "out/demo/model"            # checkpoint dir in the official HF layout
+    [input]   path, batch_rows, id_column, prompt_column, messages_column, token_ids_column
+    [output]  path, logprobs, prompt_logprobs
+    [sampling] temperature, top_p, top_k, seed, max_new_tokens, stop_token_ids, ignore_eos
+    [replicas] num_replicas, pp, tp, dcp, device, num_gpus, accelerator_type, max_inflight_rows
+    [engine]  max_num_seqs, max_seq_len, chunk_size, max_batch_tokens
+"""
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from k3batch.engine.engine import EngineConfig
+from k3batch.engine.request import SamplingParams
+
+# Per-row sampling overrides: input columns with these names, when present, win over [sampling].
+ROW_SAMPLING_COLUMNS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InputSpec:
+    path: str = ""  # file, directory, glob or URI (pyarrow.fs)
+    batch_rows: int = 256  # rows per unit of work and per output shard
+    id_column: str = "id"  # optional; else ids are "<file>:<row>"
+    prompt_column: str = "prompt"  # text
+    messages_column: str = "messages"  # chat: list of {role, content}
+    token_ids_column: str = "prompt_token_ids"  # pre-tokenized
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OutputSpec:
+    path: str = ""  # directory or URI
+    logprobs: bool = False
+    prompt_logprobs: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaSpec:
+    num_replicas: int = 1
+    pp: int = 1  # pipeline-parallel prefill stages
+    tp: int = 1  # tensor-parallel decode ranks
+    dcp: int = 1  # decode context parallelism for the MLA latent
+    device: str = "auto"  # "auto" (cuda if the cluster has GPUs), "cpu" or "cuda"
+    num_gpus: float | None = None  # per replica; default pp * tp on cuda
+    accelerator_type: str | None = None  # e.g. "H200": lets the autoscaler pick node types
+    max_inflight_rows: int = 64  # rows dispatched to one replica and not yet returned
+    max_retries: int = 3  # per unit of rows lost to a replica failure
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobSpec:
+    model: str = ""
+    name: str = "k3batch-job"
+    address: str | None = None  # Ray cluster; None: a local Ray started for the job
+    input: InputSpec = field(default_factory=InputSpec)
+    output: OutputSpec = field(default_factory=OutputSpec)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    replicas: ReplicaSpec = field(default_factory=ReplicaSpec)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def validate(self) -> "JobSpec":
+        """Checks that need no cluster and no model weights."""
+        if not self.model:
+            raise ValueError("model: no checkpoint directory given")
+        if not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"model: {self.model!r} has no config.json")
+        if not self.input.path:
+            raise ValueError("input.path: no input given")
+        if not self.output.path:
+            raise ValueError("output.path: no output given")
+        if self.input.batch_rows < 1:
+            raise ValueError(f"input.batch_rows = {self.input.batch_rows} must be >= 1")
+        _prefixed("sampling", self.sampling.validate)
+        _prefixed("engine", self.engine.validate)
+        r = self.replicas
+        for name in ("num_replicas", "pp", "tp", "dcp", "max_inflight_rows"):
+            if getattr(r, name) < 1:
+                raise ValueError(f"replicas.{name} = {getattr(r, name)} must be >= 1")
+        if r.max_retries < 0:
+            raise ValueError(f"replicas.max_retries = {r.max_retries} must be >= 0")
+        if r.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"replicas.device = {r.device!r}; expected auto, cpu or cuda")
+        if (r.pp, r.tp, r.dcp) != (1, 1, 1):
+            raise ValueError(
+                f"replicas: pp = {r.pp}, tp = {r.tp}, dcp = {r.dcp}: only single-device replicas "
+                "(pp = tp = dcp = 1) are implemented so far"
+            )
+        return self
+
+    def fingerprint(self) -> tuple[str, dict]:
+        """What decides the job's results (not where or how fast it runs): the hash and the
+        readable description stored in the output manifest."""
+        desc = {
+            "model": str(Path(self.model).resolve()),
+            "input": dataclasses.asdict(self.input) | {"batch_rows": None},
+            "output": {"logprobs": self.output.logprobs, "prompt_logprobs": self.output.prompt_logprobs},
+            "sampling": dataclasses.asdict(self.sampling),
+            "max_seq_len": self.engine.max_seq_len,
+        }
+        blob = json.dumps(desc, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16], desc
+
+
+def _prefixed(section: str, check) -> None:
+    try:
+        check()
+    except ValueError as e:
+        raise ValueError(f"{section}.{e}") from None
+
+
+_SECTIONS = {"input": InputSpec, "output": OutputSpec, "sampling": SamplingParams,
+             "replicas": ReplicaSpec, "engine": EngineConfig}  # fmt: skip
+
+
+def job_spec_from_dict(raw: dict, *, source: str = "job spec") -> JobSpec:
+    """Build a JobSpec from nested dicts, rejecting unknown keys by name."""
+    top = {f.name for f in dataclasses.fields(JobSpec)}
+    kw = {}
+    for key, value in raw.items():
+        if key not in top:
+            raise ValueError(f"{source}: unknown field {key!r}; known: {', '.join(sorted(top))}")
+        if key in _SECTIONS:
+            if not isinstance(value, dict):
+                raise ValueError(f"{source}: [{key}] must be a table of fields")
+            cls = _SECTIONS[key]
+            known = {f.name for f in dataclasses.fields(cls)}
+            for k in value:
+                if k not in known:
+                    raise ValueError(f"{source}: unknown field {key}.{k}; known: {', '.join(sorted(known))}")
+            if "stop_token_ids" in value:
+                value = value | {"stop_token_ids": tuple(value["stop_token_ids"])}
+            kw[key] = cls(**value)
+        else:
+            kw[key] = value
+    return JobSpec(**kw)
+
+
+def load_job_spec(path: str | Path) -> JobSpec:
+    """Read a .toml, .yaml or .yml job spec. Relative model/input/output paths are kept as
+    written (relative to the working directory of the run)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"job spec {str(path)!r} does not exist")
+    text = path.read_text()
+    if path.suffix == ".toml":
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: {e}") from None
+    elif path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: {e}") from None
+    else:
+        raise ValueError(f"job spec {str(path)!r}: expected a .toml, .yaml or .yml file")
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: the top level must be a table of fields")
+    return job_spec_from_dict(raw, source=str(path))
+
+
+def with_overrides(spec: JobSpec, overrides: dict[str, object]) -> JobSpec:
+    """Apply dotted-key overrides ("sampling.temperature": 0.7); None values are ignored."""
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        section, _, name = key.rpartition(".")
+        if section:
+            sub = dataclasses.replace(getattr(spec, section), **{name: value})
+            spec = dataclasses.replace(spec, **{section: sub})
+        else:
+            spec = dataclasses.replace(spec, **{name: value})
+    return spec

@@ -1,0 +1,82 @@
+"""Turning input rows into engine work: one `RowWork` (token ids + sampling) or an error per row.
+
+Runs on CPU workers (a Ray task per unit of rows). The prompt source is chosen per job from the
+schema: `prompt_token_ids`, else `messages` (through the checkpoint's chat template), else
+`prompt` (text, encoded with a BOS). Per-row sampling columns override the job's defaults.
+A bad row never raises: it gets an error string naming what is wrong.
+"""
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from k3batch.engine.request import SamplingParams
+from k3batch.jobspec import ROW_SAMPLING_COLUMNS, InputSpec
+from k3batch.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class RowWork:
+    row_idx: int  # index within the unit
+    prompt_token_ids: list[int] | None
+    sampling: SamplingParams | None
+    error: str | None = None
+
+
+def prompt_source(schema: pa.Schema, spec: InputSpec) -> str:
+    """The column the prompts come from; ValueError naming the accepted columns if none."""
+    for name in (spec.token_ids_column, spec.messages_column, spec.prompt_column):
+        if name in schema.names:
+            return name
+    raise ValueError(
+        f"input has no prompt column: expected one of {spec.prompt_column!r}, "
+        f"{spec.messages_column!r} or {spec.token_ids_column!r}; found {schema.names}"
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model_dir: str) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir)  # cached per worker process: loading a BPE takes seconds
+
+
+def prepare_rows(table: pa.Table, *, spec: InputSpec, model_dir: str, defaults: SamplingParams,
+                 max_seq_len: int, vocab_size: int) -> list[RowWork]:  # fmt: skip
+    tok = _tokenizer(model_dir)
+    source = prompt_source(table.schema, spec)
+    prompts = table.column(source).to_pylist()
+    overrides = {c: table.column(c).to_pylist() for c in ROW_SAMPLING_COLUMNS if c in table.schema.names}
+    out = []
+    for i, value in enumerate(prompts):
+        try:
+            ids = _encode(value, source, spec, tok)
+            if not ids:
+                raise ValueError("empty prompt")
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} outside the vocabulary [0, {vocab_size})")
+            if len(ids) >= max_seq_len:
+                raise ValueError(f"prompt of {len(ids)} tokens exceeds the context limit (max_seq_len = {max_seq_len})")
+            row = {c: v[i] for c, v in overrides.items() if v[i] is not None}
+            sampling = dataclasses.replace(defaults, **row).validate() if row else defaults
+            out.append(RowWork(i, ids, sampling))
+        except (ValueError, TypeError) as e:
+            out.append(RowWork(i, None, None, f"{type(e).__name__}: {e}" if isinstance(e, TypeError) else str(e)))
+    return out
+
+
+def _encode(value, source: str, spec: InputSpec, tok: Tokenizer) -> list[int]:
+    if value is None:
+        raise ValueError(f"{source} is null")
+    if source == spec.token_ids_column:
+        if not isinstance(value, list) or not all(isinstance(t, int) for t in value):
+            raise ValueError(f"{source} must be a list of integers")
+        return value
+    if source == spec.messages_column:
+        return tok.apply_chat_template(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{source} must be a string, got {type(value).__name__}")
+    if not value:
+        raise ValueError("empty prompt")
+    return tok.encode(value, add_bos=True)

@@ -1,0 +1,88 @@
+"""Progress line and final report of a batch job.
+
+The progress line goes to stderr: rewritten in place on a terminal, one line every 10 s
+otherwise. The report is printed and saved as JSON beside the output (`REPORT_NAME`).
+"""
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+REPORT_NAME = "_k3batch_report.json"
+
+
+@dataclass
+class JobReport:
+    job: str
+    output: str
+    rows_total: int | None = None  # from the input footers; None when a footer is unreadable
+    rows_skipped_resumed: int = 0  # rows already committed by an earlier run
+    rows_written: int = 0  # rows committed by this run
+    rows_with_error: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    unreadable_inputs: list[str] = field(default_factory=list)
+    replica_failures: int = 0
+    rows_retried: int = 0
+    stage_s: dict[str, float] = field(default_factory=lambda: {
+        "startup": 0.0, "read": 0.0, "tokenize": 0.0, "generate": 0.0, "write": 0.0})  # fmt: skip
+    wall_s: float = 0.0
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows_written / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {
+            "rows_per_s": round(self.rows_per_s, 3),
+            "output_tokens_per_s": round(self.output_tokens_per_s, 3),
+        }
+
+    def summary(self) -> str:
+        lines = [
+            f"job {self.job}: {self.rows_written} rows written ({self.rows_with_error} with errors), "
+            f"{self.rows_skipped_resumed} already done",
+            f"tokens: {self.prompt_tokens} prompt, {self.output_tokens} output; "
+            f"{self.rows_per_s:.2f} rows/s, {self.output_tokens_per_s:.1f} output tokens/s "
+            f"over {self.wall_s:.1f} s",
+            "time per stage (s): " + ", ".join(f"{k} {v:.1f}" for k, v in self.stage_s.items()),
+        ]
+        if self.replica_failures:
+            lines.append(f"replica failures: {self.replica_failures}, rows retried: {self.rows_retried}")
+        if self.unreadable_inputs:
+            lines.append("UNREADABLE input (rows not processed; fix and rerun to resume):")
+            lines += [f"  {e}" for e in self.unreadable_inputs]
+        return "\n".join(lines)
+
+
+class Progress:
+    def __init__(self, total_rows: int | None, done_rows: int, stream=None):
+        self.total, self.start_done = total_rows, done_rows
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.t0 = time.monotonic()
+        self.last = 0.0
+
+    def update(self, done_rows: int, output_tokens: int, *, final: bool = False) -> None:
+        now = time.monotonic()
+        if not final and now - self.last < (0.5 if self.tty else 10.0):
+            return
+        self.last = now
+        el = max(now - self.t0, 1e-9)
+        rate = (done_rows - self.start_done) / el
+        if self.total:
+            left = self.total - done_rows
+            eta = f"{left / rate:.0f}s" if rate > 0 else "?"
+            head = f"{done_rows}/{self.total} rows ({100 * done_rows / self.total:.0f}%)"
+        else:
+            head, eta = f"{done_rows} rows", "?"
+        line = f"{head} | {rate:.2f} rows/s | {output_tokens / el:.1f} tok/s | ETA {eta}"
+        if self.tty:
+            self.stream.write("\r" + line + ("\n" if final else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()

@@ -1,0 +1,125 @@
+"""Test helpers shared by the test suites: numerical comparison with stated tolerances, logit
+agreement metrics, and a small table of measured numbers for reports.
+
+`assert_close` is the one way tests compare floating-point tensors: it checks for NaN/inf
+first, computes the relative RMS error and the max absolute error, logs both, and raises
+`AssertionError` with both numbers when either exceeds its tolerance (never a warning).
+"""
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def assert_close(name: str, ref, out, *, rel_rms: float, max_abs: float | None = None) -> dict:
+    """Compare `out` against the reference `ref` (same shape, any float dtypes).
+
+    rel_rms: bound on rms(out - ref) / rms(ref); max_abs: optional bound on max |out - ref|.
+    Returns {"name", "rel_rms", "max_abs", "rel_rms_tol", "max_abs_tol"}.
+    """
+    if tuple(ref.shape) != tuple(out.shape):
+        raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
+    for label, t in (("output", out), ("reference", ref)):
+        bad = ~torch.isfinite(t)
+        if bad.any():
+            idx = bad.nonzero()[0].tolist()
+            raise AssertionError(
+                f"{name}: {label} has {int(bad.sum())} non-finite values (first at {idx})"
+            )
+    r, o = ref.detach().double().cpu(), out.detach().double().cpu()
+    diff = o - r
+    err_rms = diff.pow(2).mean().sqrt().item() if diff.numel() else 0.0
+    ref_rms = r.pow(2).mean().sqrt().item() if r.numel() else 0.0
+    if ref_rms > 0:
+        rel = err_rms / ref_rms
+    else:
+        rel = 0.0 if err_rms == 0 else math.inf
+    mx = diff.abs().max().item() if diff.numel() else 0.0
+    metrics = {"name": name, "rel_rms": rel, "max_abs": mx, "rel_rms_tol": rel_rms,
+               "max_abs_tol": max_abs}  # fmt: skip
+    log.info("%s: rel_rms %.3e (tol %.1e), max_abs %.3e (tol %s)", name, rel, rel_rms, mx, max_abs)
+    if rel > rel_rms or (max_abs is not None and mx > max_abs):
+        err = AssertionError(
+            f"{name}: rel_rms {rel:.3e} (tol {rel_rms:.1e}), max_abs {mx:.3e} "
+            f"(tol {max_abs if max_abs is not None else 'none'})"
+        )
+        err.metrics = metrics  # so that a report can still record the measured numbers
+        raise err
+    return metrics
+
+
+def logit_agreement(ref_logits, out_logits) -> dict:
+    """Agreement of two logit tensors [..., V] over all leading positions: mean KL(ref || out)
+    in nats (fp64 softmax), top-1 agreement, and the relative RMS error of the logits."""
+    r = ref_logits.detach().double().cpu().reshape(-1, ref_logits.shape[-1])
+    o = out_logits.detach().double().cpu().reshape(-1, out_logits.shape[-1])
+    lp_r, lp_o = torch.log_softmax(r, -1), torch.log_softmax(o, -1)
+    kl = (lp_r.exp() * (lp_r - lp_o)).sum(-1)
+    top1 = (r.argmax(-1) == o.argmax(-1)).double().mean().item()
+    rel = ((o - r).pow(2).mean().sqrt() / r.pow(2).mean().sqrt()).item()
+    return {"kl_mean": kl.mean().item(), "kl_max": kl.max().item(), "top1": top1, "rel_rms": rel}
+
+
+class MetricsTable:
+    """Rows of measured numbers (a name plus any of rel_rms, max_abs, kl_mean, top1, ...),
+    printed as a fixed-width table. With `json_path`, every added row is also merged at once
+    into that JSON file as `{section: rows}` (other sections kept), so that several test
+    modules share one report file and a run cut short still leaves its numbers."""
+
+    COLUMNS = ("ok", "rel_rms", "rel_rms_tol", "max_abs", "kl_mean", "kl_max", "top1")
+
+    def __init__(self, section: str, json_path: str | Path | None = None):
+        self.section = section
+        self.json_path = Path(json_path) if json_path else None
+        self.rows: list[dict] = []
+
+    def add(self, row_name: str, **metrics) -> dict:
+        row = {"name": row_name} | {k: v for k, v in metrics.items() if k != "name"}
+        self.rows.append(row)
+        if self.json_path is not None:
+            self.merge_json(self.json_path)
+        return row
+
+    def check(self, name: str, ref, out, *, rel_rms: float, max_abs: float | None = None) -> dict:
+        """`assert_close` that records its numbers in the table, failed or not."""
+        try:
+            m = assert_close(name, ref, out, rel_rms=rel_rms, max_abs=max_abs)
+        except AssertionError as e:
+            self.add(name, **getattr(e, "metrics", {}), ok=False)
+            raise
+        self.add(name, **m, ok=True)
+        return m
+
+    def format(self) -> str:
+        width = max([len(r["name"]) for r in self.rows] + [4])
+        head = f"{'name':<{width}}  " + "  ".join(f"{c:>11}" for c in self.COLUMNS)
+        lines = [f"== {self.section}", head]
+        for r in self.rows:
+            cells = []
+            for c in self.COLUMNS:
+                v = r.get(c)
+                if v is None:
+                    cells.append(f"{'-':>11}")
+                elif isinstance(v, bool):
+                    cells.append(f"{'yes' if v else 'NO':>11}")
+                else:
+                    cells.append(f"{v:>11.4g}")
+            lines.append(f"{r['name']:<{width}}  " + "  ".join(cells))
+        return "\n".join(lines)
+
+    def merge_json(self, path: str | Path) -> None:
+        path = Path(path)
+        data = {}
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text())
+            except json.JSONDecodeError:
+                data = {}
+        data[self.section] = self.rows
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1))
