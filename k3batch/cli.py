@@ -107,3 +107,7 @@ def run(job, **flags):
     click.echo(f"output: {spec.output.path}\nreport: {spec.output.path}/_k3batch_report.json")
     if report.unreadable_inputs:
         raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()

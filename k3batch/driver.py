@@ -99,6 +99,7 @@ def run_job(spec: JobSpec, *, progress_stream=None) -> JobReport:
               Progress(report.rows_total, report.rows_skipped_resumed, progress_stream)).run(units)  # fmt: skip
         busy = ray.get([r.stats.remote() for r in replicas])
         report.stage_s["generate"] = max(s["busy_s"] for s in busy)
+        report.rows_per_replica = [s["rows"] for s in busy]
     finally:
         for actor in replicas:
             ray.kill(actor)
@@ -156,8 +157,9 @@ def _start_replicas(spec: JobSpec, device: str):
         actor_cls.options(
             **opts, max_restarts=r.max_retries, max_task_retries=0, max_concurrency=64,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg),
+            name=f"{spec.name}/replica-{i}",
         ).remote(spec.model, spec.engine, device)
-        for pg in groups
+        for i, pg in enumerate(groups)
     ]  # fmt: skip
     ray.get([a.ready.remote() for a in actors])
     return actors, groups
@@ -200,6 +202,7 @@ class _Loop:
                     log.error("unreadable input: %s", unit.error)
                 else:
                     self._open_unit(unit)
+                    self.report.peak_open_units = max(self.report.peak_open_units, len(self.open))
             self._dispatch()
             if exhausted and not self.open:
                 break
@@ -264,6 +267,7 @@ class _Loop:
             items = [((key, i), w.prompt_token_ids, w.sampling) for i, w in rows]
             self.gen_refs[self.replicas[r].generate.remote(items)] = (r, key, rows, attempt)
             self.inflight[r] += len(rows)
+            self.report.peak_inflight_rows = max(self.report.peak_inflight_rows, self.inflight[r])
 
     def _on_generated(self, r, key, rows, attempt, ref) -> None:
         self.inflight[r] -= len(rows)

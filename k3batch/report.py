@@ -24,6 +24,9 @@ class JobReport:
     unreadable_inputs: list[str] = field(default_factory=list)
     replica_failures: int = 0
     rows_retried: int = 0
+    rows_per_replica: list[int] = field(default_factory=list)
+    peak_open_units: int = 0  # units held in driver memory at once (bounded by design)
+    peak_inflight_rows: int = 0  # rows dispatched to one replica and not yet returned
     stage_s: dict[str, float] = field(default_factory=lambda: {
         "startup": 0.0, "read": 0.0, "tokenize": 0.0, "generate": 0.0, "write": 0.0})  # fmt: skip
     wall_s: float = 0.0

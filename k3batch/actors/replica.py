@@ -29,6 +29,7 @@ class ReplicaActor:
         self.engine, self.tokenizer = build_engine(model_dir, engine_config, device=device)
         self.load_s = time.perf_counter() - t0
         self.busy_s = 0.0
+        self.rows = 0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._next_id = 0
         threading.Thread(target=self._loop, daemon=True, name="engine").start()
@@ -37,7 +38,7 @@ class ReplicaActor:
         return {"load_s": self.load_s, "pid": os.getpid()}
 
     def stats(self) -> dict:
-        return {"load_s": self.load_s, "busy_s": self.busy_s}
+        return {"load_s": self.load_s, "busy_s": self.busy_s, "rows": self.rows}
 
     async def generate(self, items: list[tuple[object, list[int], SamplingParams]]) -> list[dict]:
         """items: (key, prompt token ids, sampling). Returns dicts with key, generated_text,
@@ -74,6 +75,7 @@ class ReplicaActor:
                 t0 = time.perf_counter()
                 finished = self.engine.step()
                 self.busy_s += time.perf_counter() - t0
+                self.rows += len(finished)
                 for res in finished:
                     cid, key = owner.pop(res.request_id)
                     call = calls[cid]

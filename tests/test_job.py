@@ -1,0 +1,260 @@
+"""The batch job end to end on a local Ray head (4 logical CPUs) with a tiny k3-debug checkpoint:
+columns, every bad input of the job contract, resume after SIGKILL of the driver and after a
+replica death, two replicas on one stream, bounded memory. The head is stopped afterwards."""
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+
+from k3batch.driver import run_job
+from k3batch.jobspec import (EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaSpec,
+                             load_job_spec)  # fmt: skip
+from k3batch.engine.request import SamplingParams
+from k3batch.model.weights import init_checkpoint
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    port = free_port()
+    temp = tmp_path_factory.mktemp("ray")
+    env = os.environ | {"RAY_USAGE_STATS_ENABLED": "0"}
+    subprocess.run([Path(sys.executable).parent / "ray", "start", "--head", f"--port={port}",
+                    "--num-cpus=4", "--include-dashboard=false", f"--temp-dir={temp}"],
+                   check=True, capture_output=True, env=env)  # fmt: skip
+    address = f"127.0.0.1:{port}"
+    ray.init(address=address)
+    yield address
+    ray.shutdown()
+    subprocess.run([Path(sys.executable).parent / "ray", "stop", "--force"], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "k3-debug"
+    init_checkpoint("k3-debug", path, seed=0)
+    return str(path)
+
+
+def _spec(model_dir, inp, out, **kw) -> JobSpec:
+    return JobSpec(
+        model=model_dir, name=kw.pop("name", "test"),
+        input=InputSpec(path=str(inp), batch_rows=kw.pop("batch_rows", 4)),
+        output=OutputSpec(path=str(out), logprobs=kw.pop("logprobs", False)),
+        sampling=SamplingParams(temperature=0, max_new_tokens=kw.pop("max_new_tokens", 4)),
+        replicas=ReplicaSpec(num_replicas=kw.pop("replicas", 1), device="cpu",
+                             max_inflight_rows=kw.pop("inflight", 8)),
+        engine=EngineConfig(max_num_seqs=8, max_seq_len=kw.pop("max_seq_len", 128), chunk_size=64),
+    )  # fmt: skip
+
+
+def _prompts(n, seed=0):
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "kimi", "linear", "attention", "batch"]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(1, 12))) for _ in range(n)]
+
+
+def _by_id(table):
+    return {r["id"]: r for r in table.to_pylist()}
+
+
+def test_text_job_columns_passthrough_and_row_errors(ray_head, model_dir, tmp_path):
+    good = _prompts(5)
+    prompts = good + [None, "", "word " * 200]
+    n = len(prompts)
+    table = pa.table({
+        "id": [f"r{i}" for i in range(n)],
+        "prompt": prompts,
+        "nested": pa.array([{"a": i, "b": [i, i]} for i in range(n)]),
+        "blob": pa.array([bytes([i, 0, 255]) for i in range(n)], pa.binary()),
+        "temperature": [None, 0.0, -1.0, None, None, None, None, None],
+        "max_new_tokens": [None, 2, None, 0, None, None, None, None],
+    })  # fmt: skip
+    pq.write_table(table, tmp_path / "in.parquet")
+    report = run_job(_spec(model_dir, tmp_path / "in.parquet", tmp_path / "out", logprobs=True))
+    out = pq.read_table(tmp_path / "out")
+    assert out.num_rows == n and report.rows_written == n
+    rows = _by_id(out)
+    for i in range(n):  # odd extra columns come back untouched
+        assert rows[f"r{i}"]["nested"] == {"a": i, "b": [i, i]}
+        assert rows[f"r{i}"]["blob"] == bytes([i, 0, 255])
+    ok = rows["r0"]
+    assert ok["error"] is None and ok["finish_reason"] in ("stop", "length")
+    assert ok["num_output_tokens"] == len(ok["output_token_ids"]) == len(ok["output_logprobs"])
+    assert isinstance(ok["generated_text"], str) and ok["num_prompt_tokens"] > 1
+    assert rows["r1"]["num_output_tokens"] <= 2  # per-row max_new_tokens
+    assert "temperature" in rows["r2"]["error"]
+    assert "max_new_tokens" in rows["r3"]["error"]
+    assert "null" in rows["r5"]["error"] and "empty" in rows["r6"]["error"]
+    assert "context limit" in rows["r7"]["error"]
+    assert report.rows_with_error == 5
+    saved = (tmp_path / "out" / "_k3batch_report.json").read_text()
+    assert '"rows_written": 8' in saved and '"stage_s"' in saved
+
+
+def test_messages_and_token_id_jobs(ray_head, model_dir, tmp_path):
+    msgs = [[{"role": "user", "content": p}] for p in _prompts(3)] + [[{"role": 1}]]
+    pq.write_table(pa.table({"messages": msgs}), tmp_path / "chat.parquet")
+    run_job(_spec(model_dir, tmp_path / "chat.parquet", tmp_path / "out_chat", name="chat"))
+    rows = pq.read_table(tmp_path / "out_chat").to_pylist()
+    assert [r["error"] is None for r in rows] == [True, True, True, False]
+    ids = [[5, 6, 7], [-1, 3], [3, 512], [], None, [1] * 200]
+    pq.write_table(pa.table({"prompt_token_ids": pa.array(ids, pa.list_(pa.int64()))}), tmp_path / "ids.parquet")
+    run_job(_spec(model_dir, tmp_path / "ids.parquet", tmp_path / "out_ids", name="ids"))
+    rows = pq.read_table(tmp_path / "out_ids").to_pylist()
+    assert rows[0]["error"] is None and rows[0]["num_prompt_tokens"] == 3
+    assert "-1" in rows[1]["error"] and "512" in rows[2]["error"]
+    assert "empty" in rows[3]["error"] and "null" in rows[4]["error"]
+    assert "context limit" in rows[5]["error"]
+
+
+def test_duplicate_ids_corrupt_file_and_resume(ray_head, model_dir, tmp_path):
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pq.write_table(pa.table({"id": ["a", "b", "a"], "prompt": _prompts(3)}), inp / "1.parquet")
+    (inp / "2.parquet").write_bytes(b"PAR1 this is not parquet")
+    pq.write_table(pa.table({"id": ["c", "b"], "prompt": _prompts(2, 1)}), inp / "3.parquet")
+    spec = _spec(model_dir, inp, tmp_path / "out")
+    report = run_job(spec)
+    assert len(report.unreadable_inputs) == 1 and "2.parquet" in report.unreadable_inputs[0]
+    rows = pq.read_table(tmp_path / "out").to_pylist()
+    assert len(rows) == 5
+    dup = [r for r in rows if r["error"] and "duplicate" in r["error"]]
+    assert len(dup) == 2 and {r["id"] for r in dup} == {"a", "b"}
+    again = run_job(spec)  # resume: nothing left but the corrupt file
+    assert again.rows_written == 0 and again.rows_skipped_resumed == 5
+    assert pq.read_table(tmp_path / "out").num_rows == 5
+
+
+def _write_in(t, table):
+    pq.write_table(table, t / "in.parquet")
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda s, t: _write_in(t, pa.table({"text": ["x"]})) or s, "no prompt column"),
+        (lambda s, t: _write_in(t, pa.table({"prompt": pa.array([], pa.string())})) or s, "no rows"),
+        (lambda s, t: _write_in(t, pa.table({"prompt": ["x"], "error": ["y"]})) or s, "clash"),
+        (lambda s, t: (t / "out").write_text("a file") and s, "out"),
+        (lambda s, t: replace(s, sampling=SamplingParams(top_p=1.5)), "sampling.top_p"),
+        (lambda s, t: replace(s, sampling=SamplingParams(max_new_tokens=0)), "max_new_tokens"),
+        (lambda s, t: replace(s, sampling=SamplingParams(temperature=-1)), "temperature"),
+        (lambda s, t: replace(s, model=str(t)), "config.json"),
+        (lambda s, t: replace(s, input=InputSpec(path=str(t / "nothing*.parquet"))), "nothing"),
+    ],
+    ids=["no-prompt-column", "empty-dataset", "column-clash", "output-not-writable", "top-p",
+         "max-new-tokens", "temperature", "no-model", "no-input-files"],
+)  # fmt: skip
+def test_bad_jobs_fail_before_any_replica_starts(model_dir, tmp_path, edit, match):
+    _write_in(tmp_path, pa.table({"prompt": ["hi"]}))
+    spec = edit(_spec(model_dir, tmp_path / "in.parquet", tmp_path / "out"), tmp_path)
+    with pytest.raises(ValueError, match=match):
+        run_job(spec)
+
+
+def test_other_jobs_output_is_refused(ray_head, model_dir, tmp_path):
+    pq.write_table(pa.table({"prompt": _prompts(2)}), tmp_path / "in.parquet")
+    run_job(_spec(model_dir, tmp_path / "in.parquet", tmp_path / "out"))
+    other = _spec(model_dir, tmp_path / "in.parquet", tmp_path / "out", max_new_tokens=9)
+    with pytest.raises(ValueError, match="different job"):
+        run_job(other)
+
+
+def test_two_replicas_share_the_stream_with_bounded_memory(ray_head, model_dir, tmp_path):
+    pq.write_table(pa.table({"prompt": _prompts(40, 3)}), tmp_path / "in.parquet", row_group_size=7)
+    spec = _spec(model_dir, tmp_path / "in.parquet", tmp_path / "out", replicas=2, inflight=4,
+                 batch_rows=4, max_new_tokens=2)  # fmt: skip
+    report = run_job(spec)
+    assert report.rows_written == 40 and sorted(_by_id(pq.read_table(tmp_path / "out"))) == sorted(
+        f"{tmp_path / 'in.parquet'}:{i}" for i in range(40))  # fmt: skip
+    assert all(n > 0 for n in report.rows_per_replica), report.rows_per_replica
+    assert report.peak_inflight_rows <= 4
+    assert report.peak_open_units <= 1 + 2 * 4 // 4  # far fewer than the 10 units of input
+
+
+def _reference(model_dir, inp, tmp_path):
+    run_job(_spec(model_dir, inp, tmp_path / "ref", name="ref", batch_rows=3, max_new_tokens=6))
+    return {r["id"]: r["output_token_ids"] for r in pq.read_table(tmp_path / "ref").to_pylist()}
+
+
+def test_replica_death_is_retried(ray_head, model_dir, tmp_path):
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(24)], "prompt": _prompts(24, 5)}), inp)
+    ref = _reference(model_dir, inp, tmp_path)
+    spec = _spec(model_dir, inp, tmp_path / "out", name="killme", batch_rows=3, max_new_tokens=6,
+                 replicas=2, inflight=3)  # fmt: skip
+
+    def killer():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                actor = ray.get_actor("killme/replica-0")
+                ray.get(actor.ready.remote())
+                time.sleep(1.0)
+                ray.kill(actor, no_restart=False)
+                return
+            except ValueError:
+                time.sleep(0.2)
+
+    t = threading.Thread(target=killer)
+    t.start()
+    report = run_job(spec)
+    t.join()
+    assert report.replica_failures >= 1
+    rows = pq.read_table(tmp_path / "out").to_pylist()
+    assert sorted(r["id"] for r in rows) == sorted(ref)
+    assert all(r["output_token_ids"] == ref[r["id"]] for r in rows)
+
+
+def test_resume_after_driver_sigkill(ray_head, model_dir, tmp_path):
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(30)], "prompt": _prompts(30, 7)}), inp)
+    ref = _reference(model_dir, inp, tmp_path)
+    job = tmp_path / "job.toml"
+    job.write_text(f"""
+name = "sigkill"
+model = "{model_dir}"
+[input]
+path = "{inp}"
+batch_rows = 3
+[output]
+path = "{tmp_path / 'out'}"
+[sampling]
+temperature = 0.0
+max_new_tokens = 6
+[replicas]
+device = "cpu"
+max_inflight_rows = 3
+[engine]
+max_seq_len = 128
+""")
+    assert load_job_spec(job).input.batch_rows == 3
+    cmd = [sys.executable, "-m", "k3batch.cli", "run", str(job), "--address", ray_head]
+    rng = random.Random(0)
+    for _ in range(3):
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(4.0, 12.0))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    rows = pq.read_table(tmp_path / "out").to_pylist()
+    assert sorted(r["id"] for r in rows) == sorted(ref)  # every id exactly once
+    assert all(r["output_token_ids"] == ref[r["id"]] for r in rows)
