@@ -1,0 +1,321 @@
+"""Ray Jobs submission (k3batch.submit, k3batch.cli_jobs) against a real local Ray head.
+
+The head runs with token authentication on (RAY_AUTH_MODE=token), as any `ray start --head` does
+on a machine that already holds ~/.ray/auth_token, so every call here must carry the token.
+Jobs use entrypoint_override: `k3batch run` is tested end to end elsewhere.
+"""
+
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from k3batch import submit as submit_mod
+from k3batch.cli_jobs import register
+from k3batch.submit import (
+    check_job_file,
+    job_entrypoint,
+    job_logs,
+    job_status,
+    stop_job,
+    submit_job,
+    wait_for_job,
+)
+
+RAY = str(Path(sys.executable).with_name("ray"))
+STARTUP_TIMEOUT_S = 60
+JOB_TIMEOUT_S = 45
+
+
+@dataclass(frozen=True)
+class Head:
+    address: str  # dashboard, http://127.0.0.1:PORT
+    token: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _session_pids(session_id: int) -> list[int]:
+    """Processes in the session `ray start --block` leads: every Ray process it started."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # Field 6 of /proc/PID/stat is the session id; the command name may contain spaces.
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session_id:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _stop_head(proc: subprocess.Popen, temp_dir: str) -> None:
+    # Not `ray stop --force`: that kills every Ray process on the host, other users' included.
+    # `ray start --block` shuts its own processes down on SIGTERM; SIGKILL whatever remains in its
+    # session (Ray's workers stay in it).
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for _ in range(20):
+        leftovers = _session_pids(proc.pid)
+        if not leftovers:
+            break
+        for pid in leftovers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.25)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    token = secrets.token_hex(16)
+    # Short path: Ray's unix socket paths live under it (108-byte limit).
+    temp_dir = tempfile.mkdtemp(prefix="k3r", dir="/tmp")
+    dashboard_port = _free_port()
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": token,
+        # The job driver runs `python`: make it this venv's, as an activated venv would.
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    env.pop("RAY_ADDRESS", None)
+    cmd = [
+        RAY, "start", "--head", "--block", "--num-cpus=2", "--include-dashboard=true",
+        "--disable-usage-stats", f"--temp-dir={temp_dir}", "--dashboard-host=127.0.0.1",
+        f"--port={_free_port()}", f"--dashboard-port={dashboard_port}",
+        f"--dashboard-agent-listen-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
+    ]  # fmt: skip
+    log_path = Path(temp_dir) / "ray_start.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        head = Head(address=f"http://127.0.0.1:{dashboard_port}", token=token)
+        _wait_for_dashboard(head, proc, log_path)
+        yield head
+    finally:
+        _stop_head(proc, temp_dir)
+
+
+def _wait_for_dashboard(head: Head, proc: subprocess.Popen, log_path: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"ray start exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            submit_mod._client(head.address, head.token).list_jobs()
+            return
+        except ConnectionError:
+            if time.monotonic() > deadline:
+                pytest.fail(f"dashboard not up after {STARTUP_TIMEOUT_S} s:\n"
+                            f"{log_path.read_text()[-3000:]}")  # fmt: skip
+            time.sleep(0.5)
+
+
+def _python_c(code: str) -> str:
+    return shlex.join(["python", "-c", code])
+
+
+def _cli() -> click.Group:
+    group = click.Group("k3batch")
+    register(group)
+    return group
+
+
+# --- against the running head ---
+
+
+def test_submit_job_runs_in_uploaded_working_dir(ray_head, tmp_path):
+    (tmp_path / "marker.txt").write_text("uploaded")
+    submission_id = submit_job(
+        None, address=ray_head.address, token=ray_head.token, working_dir=str(tmp_path),
+        entrypoint_override=_python_c("print('ok', open('marker.txt').read())"),
+    )  # fmt: skip
+    status = wait_for_job(
+        submission_id, address=ray_head.address, timeout_s=JOB_TIMEOUT_S, token=ray_head.token
+    )
+    logs = "".join(job_logs(submission_id, address=ray_head.address, token=ray_head.token))
+    assert status == "SUCCEEDED", logs
+    assert "ok uploaded" in logs
+
+
+def test_submit_job_file_runs_k3batch_run_in_working_dir(ray_head, tmp_path):
+    # A stand-in k3batch package in the uploaded folder records the command line it gets;
+    # `python -m` puts the working dir first on sys.path.
+    (tmp_path / "k3batch").mkdir()
+    (tmp_path / "k3batch" / "__init__.py").write_text("")
+    (tmp_path / "k3batch" / "cli.py").write_text("import sys\nprint('argv', sys.argv[1:])\n")
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "tiny.toml").write_text('model = "m"\n')
+    kw = {"address": ray_head.address, "token": ray_head.token}
+    submission_id = submit_job(
+        str(tmp_path / "jobs" / "tiny.toml"), working_dir=str(tmp_path),
+        extra_args=["--output", "/tmp/out dir"], wait=True, timeout_s=JOB_TIMEOUT_S, **kw,
+    )  # fmt: skip
+    logs = "".join(job_logs(submission_id, **kw))
+    assert job_status(submission_id, **kw) == "SUCCEEDED", logs
+    expected = ["run", "jobs/tiny.toml", "--address", "auto", "--output", "/tmp/out dir"]
+    assert f"argv {expected}" in logs
+
+
+def test_stop_job_stops_running_job(ray_head):
+    kw = {"address": ray_head.address, "token": ray_head.token}
+    sleeper = _python_c("import time; time.sleep(60)")
+    submission_id = submit_job(None, entrypoint_override=sleeper, **kw)
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while job_status(submission_id, **kw) == "PENDING" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert job_status(submission_id, **kw) == "RUNNING"
+    assert stop_job(submission_id, **kw)
+    assert wait_for_job(submission_id, timeout_s=JOB_TIMEOUT_S, **kw) == "STOPPED"
+    assert not stop_job(submission_id, **kw)  # already ended
+
+
+def test_cli_submit_wait_streams_logs_and_status(ray_head):
+    args = ["submit", "--address", ray_head.address, "--wait", "--entrypoint"]
+    ok = CliRunner().invoke(_cli(), [*args, _python_c("print('ok')")],
+                            env={"RAY_AUTH_TOKEN": ray_head.token})  # fmt: skip
+    assert ok.exit_code == 0, ok.output
+    submission_id = ok.output.splitlines()[0]
+    assert "ok\n" in ok.output
+    assert ok.output.rstrip().endswith(f"{submission_id} SUCCEEDED")
+
+    failed = CliRunner().invoke(
+        _cli(), [*args, _python_c("import sys; sys.exit(3)"), "--token", ray_head.token]
+    )
+    assert failed.exit_code == 1, failed.output
+    assert failed.output.rstrip().endswith("FAILED")
+
+
+def test_cli_without_token_reports_authentication(ray_head):
+    result = CliRunner().invoke(
+        _cli(), ["status", "raysubmit_none", "--address", ray_head.address],
+        env={"RAY_AUTH_TOKEN": None, "RAY_AUTH_MODE": None},
+    )  # fmt: skip
+    assert result.exit_code == 1
+    assert "Authentication required" in result.output
+
+
+def test_cli_status_of_unknown_job_fails(ray_head):
+    result = CliRunner().invoke(
+        _cli(), ["status", "raysubmit_none", "--address", ray_head.address,
+                 "--token", ray_head.token],
+    )  # fmt: skip
+    assert result.exit_code == 1
+    assert "raysubmit_none" in result.output
+
+
+# --- no cluster needed ---
+
+
+def test_cli_submit_missing_job_file_names_it(tmp_path):
+    missing = tmp_path / "missing_job.toml"
+    result = CliRunner().invoke(_cli(), ["submit", str(missing), "--address", "http://x:8265"])
+    assert result.exit_code != 0
+    assert "missing_job.toml" in result.output
+
+
+def test_check_job_file_rejects_bad_files(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        check_job_file(tmp_path / "none.toml")
+    (tmp_path / "job.json").write_text("{}")
+    with pytest.raises(ValueError, match="must end in"):
+        check_job_file(tmp_path / "job.json")
+    (tmp_path / "broken.toml").write_text("model = [unclosed\n")
+    with pytest.raises(ValueError):
+        check_job_file(tmp_path / "broken.toml")
+
+
+def test_job_entrypoint_quotes_args_and_joins_cluster():
+    assert job_entrypoint("jobs/a b.toml", ["--model", "/ckpt"]) == (
+        "python -m k3batch.cli run 'jobs/a b.toml' --address auto --model /ckpt"
+    )
+    assert job_entrypoint("j.toml", ["--address=ray://h:10001"]) == (
+        "python -m k3batch.cli run j.toml --address=ray://h:10001"
+    )
+
+
+class _FakeClient:
+    def __init__(self):
+        self.kwargs = None
+
+    def submit_job(self, **kwargs):
+        self.kwargs = kwargs
+        return "raysubmit_fake"
+
+
+@pytest.fixture
+def fake_client(monkeypatch):
+    client = _FakeClient()
+    monkeypatch.setattr(submit_mod, "_client", lambda address, token: client)
+    monkeypatch.setattr(submit_mod, "check_job_file", lambda path, load=True: None)
+    return client
+
+
+def test_submit_job_uploads_cwd_and_names_job_relative(tmp_path, monkeypatch, fake_client):
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "big.toml").write_text("")
+    monkeypatch.chdir(tmp_path)
+    submission_id = submit_job(
+        "jobs/big.toml", address="http://h:8265", extra_args=["--output", "/out"],
+        runtime_env={"env_vars": {"HF_HOME": "/cache"}}, entrypoint_num_cpus=1,
+    )  # fmt: skip
+    assert submission_id == "raysubmit_fake"
+    kw = fake_client.kwargs
+    assert kw["entrypoint"] == (
+        "python -m k3batch.cli run jobs/big.toml --address auto --output /out"
+    )
+    assert kw["runtime_env"] == {
+        "working_dir": str(tmp_path.resolve()),
+        "env_vars": {"PYTHONUNBUFFERED": "1", "HF_HOME": "/cache"},
+    }
+    assert kw["metadata"] == {"k3batch_job": "jobs/big.toml"}
+    assert kw["entrypoint_num_cpus"] == 1
+
+
+def test_submit_job_outside_cwd_uploads_its_folder(tmp_path, monkeypatch, fake_client):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "j.yaml").write_text("")
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    submit_job(str(tmp_path / "elsewhere" / "j.yaml"), address="http://h:8265")
+    working_dir = fake_client.kwargs["runtime_env"]["working_dir"]
+    assert working_dir == str((tmp_path / "elsewhere").resolve())
+    assert " run j.yaml " in fake_client.kwargs["entrypoint"]
+
+
+def test_submit_job_rejects_job_outside_working_dir(tmp_path, fake_client):
+    (tmp_path / "wd").mkdir()
+    (tmp_path / "j.toml").write_text("")
+    with pytest.raises(ValueError, match="not inside working_dir"):
+        submit_job(
+            str(tmp_path / "j.toml"), address="http://h:8265", working_dir=str(tmp_path / "wd")
+        )
+    with pytest.raises(ValueError, match="exactly one"):
+        submit_job(str(tmp_path / "j.toml"), address="http://h:8265", entrypoint_override="true")
