@@ -3,6 +3,8 @@ library function."""
 
 import click
 
+from k3batch.cli_jobs import register as register_job_commands
+
 
 @click.group()
 def main():
@@ -108,6 +110,8 @@ def run(job, **flags):
     if report.unreadable_inputs:
         raise SystemExit(2)
 
+
+register_job_commands(main)
 
 if __name__ == "__main__":
     main()

@@ -187,6 +187,11 @@ class _Loop:
         self.gen_refs: dict = {}
         self.queue: deque = deque()  # (unit key, [(row_idx, RowWork)], attempt)
         self.inflight = [0] * len(replicas)
+        # Replica health: "up", "down" (restarting: probed with ready() until it answers) or
+        # "dead" (out of restarts). Rows go only to replicas that are up.
+        self.health = ["up"] * len(replicas)
+        self.probes: dict = {}  # ready() ref -> replica index
+        self.probe_at: dict[int, float] = {}  # replica index -> when to probe next
 
     def run(self, units) -> None:
         exhausted = False
@@ -206,10 +211,14 @@ class _Loop:
             self._dispatch()
             if exhausted and not self.open:
                 break
-            ready, _ = ray.wait([*self.tok_refs, *self.gen_refs], num_returns=1, timeout=1.0)
+            self._send_probes()
+            refs = [*self.tok_refs, *self.gen_refs, *self.probes]
+            ready, _ = ray.wait(refs, num_returns=1, timeout=1.0)
             for ref in ready:
                 if ref in self.tok_refs:
                     self._on_tokenized(self.tok_refs.pop(ref), ref)
+                elif ref in self.probes:
+                    self._on_probe(self.probes.pop(ref), ref)
                 else:
                     self._on_generated(*self.gen_refs.pop(ref), ref)
             self.progress.update(self._done_rows(), self.report.output_tokens)
@@ -258,8 +267,9 @@ class _Loop:
 
     def _dispatch(self) -> None:
         cap = self.spec.replicas.max_inflight_rows
-        while self.queue:
-            r = min(range(len(self.replicas)), key=lambda i: self.inflight[i])
+        up = [i for i, h in enumerate(self.health) if h == "up"]
+        while self.queue and up:
+            r = min(up, key=lambda i: self.inflight[i])
             key, rows, attempt = self.queue[0]
             if self.inflight[r] + len(rows) > cap and self.inflight[r] > 0:
                 return
@@ -274,7 +284,7 @@ class _Loop:
         try:
             results = ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-            self.report.replica_failures += 1
+            self._mark_failed(r, e)
             if attempt < self.spec.replicas.max_retries:
                 log.warning("replica %d failed (%s); retrying %d rows", r, type(e).__name__, len(rows))
                 self.report.rows_retried += len(rows)
@@ -288,6 +298,34 @@ class _Loop:
         for res in results:
             self._finish_row(state, res.pop("key")[1], res)
         self._maybe_commit(key)
+
+    def _mark_failed(self, r: int, err: Exception) -> None:
+        if self.health[r] == "up":
+            self.report.replica_failures += 1
+        if isinstance(err, ray.exceptions.ActorDiedError):
+            self.health[r] = "dead"
+            if all(h == "dead" for h in self.health):
+                raise RuntimeError(f"every replica died; last error: {err}") from err
+        elif self.health[r] == "up":
+            self.health[r] = "down"
+            self.probe_at[r] = time.monotonic()
+
+    def _send_probes(self) -> None:
+        now = time.monotonic()
+        for r, at in list(self.probe_at.items()):
+            if at <= now:
+                del self.probe_at[r]
+                self.probes[self.replicas[r].ready.remote()] = r
+
+    def _on_probe(self, r: int, ref) -> None:
+        try:
+            ray.get(ref)
+        except ray.exceptions.ActorDiedError as e:
+            self._mark_failed(r, e)
+        except ray.exceptions.RayActorError:
+            self.probe_at[r] = time.monotonic() + 1.0  # still restarting
+        else:
+            self.health[r] = "up"
 
     def _finish_row(self, state: _Unit, i: int, row: dict) -> None:
         assert state.results[i] is None, "a row finished twice"

@@ -5,18 +5,8 @@ on a machine that already holds ~/.ray/auth_token, so every call here must carry
 Jobs use entrypoint_override: `k3batch run` is tested end to end elsewhere.
 """
 
-import os
-import secrets
 import shlex
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import click
 import pytest
@@ -34,108 +24,7 @@ from k3batch.submit import (
     wait_for_job,
 )
 
-RAY = str(Path(sys.executable).with_name("ray"))
-STARTUP_TIMEOUT_S = 60
 JOB_TIMEOUT_S = 45
-
-
-@dataclass(frozen=True)
-class Head:
-    address: str  # dashboard, http://127.0.0.1:PORT
-    token: str
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _session_pids(session_id: int) -> list[int]:
-    """Processes in the session `ray start --block` leads: every Ray process it started."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            # Field 6 of /proc/PID/stat is the session id; the command name may contain spaces.
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session_id:
-            pids.append(int(entry.name))
-    return pids
-
-
-def _stop_head(proc: subprocess.Popen, temp_dir: str) -> None:
-    # Not `ray stop --force`: that kills every Ray process on the host, other users' included.
-    # `ray start --block` shuts its own processes down on SIGTERM; SIGKILL whatever remains in its
-    # session (Ray's workers stay in it).
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    for _ in range(20):
-        leftovers = _session_pids(proc.pid)
-        if not leftovers:
-            break
-        for pid in leftovers:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.25)
-    shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def ray_head():
-    token = secrets.token_hex(16)
-    # Short path: Ray's unix socket paths live under it (108-byte limit).
-    temp_dir = tempfile.mkdtemp(prefix="k3r", dir="/tmp")
-    dashboard_port = _free_port()
-    env = {
-        **os.environ,
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN": token,
-        # The job driver runs `python`: make it this venv's, as an activated venv would.
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
-    env.pop("RAY_ADDRESS", None)
-    cmd = [
-        RAY, "start", "--head", "--block", "--num-cpus=2", "--include-dashboard=true",
-        "--disable-usage-stats", f"--temp-dir={temp_dir}", "--dashboard-host=127.0.0.1",
-        f"--port={_free_port()}", f"--dashboard-port={dashboard_port}",
-        f"--dashboard-agent-listen-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
-    ]  # fmt: skip
-    log_path = Path(temp_dir) / "ray_start.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        head = Head(address=f"http://127.0.0.1:{dashboard_port}", token=token)
-        _wait_for_dashboard(head, proc, log_path)
-        yield head
-    finally:
-        _stop_head(proc, temp_dir)
-
-
-def _wait_for_dashboard(head: Head, proc: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"ray start exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            submit_mod._client(head.address, head.token).list_jobs()
-            return
-        except ConnectionError:
-            if time.monotonic() > deadline:
-                pytest.fail(f"dashboard not up after {STARTUP_TIMEOUT_S} s:\n"
-                            f"{log_path.read_text()[-3000:]}")  # fmt: skip
-            time.sleep(0.5)
 
 
 def _python_c(code: str) -> str:

@@ -107,7 +107,7 @@ class KimiMLAAttention(nn.Module):
     def _decode(self, q_BHQ, latent_BC, batch, cache):
         """One new token per sequence, attention in the latent space (absorbed form):
         score = (W_UK^T q^N) . c + q^R . k^R; ctx = W_UV (sum p c)."""
-        B, dev = q_BHQ.shape[0], q_BHQ.device
+        dev = q_BHQ.device
         pool = cache.mla_latent[self.layer_idx]
         slots = torch.tensor(batch.slot_ids, device=dev)
         pos = torch.tensor(batch.cached_lens, device=dev)
