@@ -251,3 +251,23 @@ chunk_size = 64
     rows = pq.read_table(tmp_path / "out").to_pylist()
     assert sorted(r["id"] for r in rows) == sorted(ref)  # every id exactly once
     assert all(r["output_token_ids"] == ref[r["id"]] for r in rows)
+
+
+def test_job_submitted_through_ray_jobs_completes(cluster, model_dir, tmp_path):
+    from k3batch.submit import job_logs, job_status, submit_job
+
+    pq.write_table(pa.table({"prompt": _prompts(5, 9)}), tmp_path / "in.parquet")
+    (tmp_path / "job.yaml").write_text(
+        f"name: submitted\nmodel: {model_dir}\n"
+        f"input: {{path: {tmp_path / 'in.parquet'}, batch_rows: 2}}\n"
+        f"output: {{path: {tmp_path / 'out'}}}\n"
+        "sampling: {temperature: 0.0, max_new_tokens: 3}\n"
+        "replicas: {device: cpu}\nengine: {max_seq_len: 128}\n"
+    )
+    kw = {"address": cluster.address, "token": cluster.token}
+    sid = submit_job(str(tmp_path / "job.yaml"), working_dir=str(tmp_path), wait=True,
+                     timeout_s=240, **kw)  # fmt: skip
+    logs = "".join(job_logs(sid, **kw))
+    assert job_status(sid, **kw) == "SUCCEEDED", logs[-3000:]
+    assert "5 rows written" in logs
+    assert pq.read_table(tmp_path / "out").num_rows == 5

@@ -5,7 +5,10 @@ on a machine that already holds ~/.ray/auth_token, so every call here must carry
 Jobs use entrypoint_override: `k3batch run` is tested end to end elsewhere.
 """
 
+import os
 import shlex
+import subprocess
+import sys
 import time
 
 import click
@@ -102,13 +105,16 @@ def test_cli_submit_wait_streams_logs_and_status(ray_head):
     assert failed.output.rstrip().endswith("FAILED")
 
 
-def test_cli_without_token_reports_authentication(ray_head):
-    result = CliRunner().invoke(
-        _cli(), ["status", "raysubmit_none", "--address", ray_head.address],
-        env={"RAY_AUTH_TOKEN": None, "RAY_AUTH_MODE": None},
+def test_cli_without_token_reports_authentication(ray_head, tmp_path):
+    # A fresh process: Ray caches the auth mode and token per process. HOME is empty, so no
+    # ~/.ray/auth_token is found either.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")} | {"HOME": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-m", "k3batch.cli", "status", "raysubmit_none", "--address", ray_head.address],
+        env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert result.exit_code == 1
-    assert "Authentication required" in result.output
+    assert result.returncode == 1
+    assert "Authentication required" in result.stdout + result.stderr
 
 
 def test_cli_status_of_unknown_job_fails(ray_head):
