@@ -1,11 +1,12 @@
 """Engine: requests in, tokens out, on one device.
 
-Contract: the engine knows nothing of text. `add_request` queues token ids; each `step` runs one
-forward (a prefill batch of prompt chunks if any request still has prompt left, otherwise one
-decode token for every running request) and returns the requests that finished in it. Each
-request owns one cache slot (KDA states, conv states, MLA latents) from admission to finish.
-Admission is bounded by the number of slots; a prompt chunk is at most `chunk_size` tokens and a
-prefill batch at most `max_batch_tokens` tokens.
+Contract: the engine knows nothing of text, and nothing of where the model runs (a runner, see
+`runner.py`). `add_request` queues token ids; each `step` either prefills (up to `runner.depth`
+batches of prompt chunks submitted back to back, so that a pipeline's stages all work) or, when
+no request has prompt left, decodes one token for every running request; it returns the
+requests that finished. Each request owns one cache slot (KDA states, conv states, MLA
+latents) from admission to finish. Admission is bounded by the number of slots; a prompt chunk
+is at most `chunk_size` tokens and a prefill batch at most `max_batch_tokens` tokens.
 """
 
 import logging
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from k3batch.cache.state_cache import StateCache
 from k3batch.engine.request import GenerationResult, Phase, Request, SamplingParams
+from k3batch.engine.runner import LocalRunner
 from k3batch.engine.sampler import make_generator, sample
 from k3batch.model.forward_batch import ForwardBatch
 
@@ -41,19 +42,16 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model, config: EngineConfig = EngineConfig(), *,
+    def __init__(self, model, config: EngineConfig = EngineConfig(), *, runner=None,
                  eos_token_ids: tuple[int, ...] | None = None):  # fmt: skip
-        self.model = model
+        """model: a K3Model run on its own device; or None with a `runner` (a pipeline)."""
         self.config = config.validate()
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
-        mcfg = model.config
+        self.runner = runner or LocalRunner(model, num_slots=config.max_num_seqs,
+                                            max_seq_len=config.max_seq_len)  # fmt: skip
+        mcfg = self.runner.config
         self.vocab_size = mcfg.vocab_size
         self.eos_token_ids = tuple(eos_token_ids or (mcfg.eos_token_id,))
-        self.cache = StateCache(
-            mcfg, range(mcfg.num_hidden_layers), num_slots=config.max_num_seqs,
-            max_seq_len=config.max_seq_len, device=self.device, dtype=self.dtype,
-        )  # fmt: skip
+        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._generators: dict[str, torch.Generator] = {}
@@ -97,9 +95,9 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[GenerationResult]:
         done, self._errors = self._errors, []
-        while self.waiting and self.cache.num_free_slots:
+        while self.waiting and self._free_slots:
             req = self.waiting.popleft()
-            req.slot_id, req.phase = self.cache.alloc(), Phase.PREFILL
+            req.slot_id, req.phase = self._free_slots.pop(), Phase.PREFILL
             self.running.append(req)
         prefill = [r for r in self.running if r.phase is Phase.PREFILL]
         if prefill:
@@ -108,45 +106,63 @@ class Engine:
             self._decode(self.running)
         for req in [r for r in self.running if r.phase is Phase.FINISHED]:
             self.running.remove(req)
-            self.cache.free(req.slot_id)
+            self._free_slots.append(req.slot_id)
             gen = self._generators.pop(req.request_id)
             del gen
             done.append(self._result(req))
         return done
 
     def _prefill(self, reqs: list[Request]) -> None:
-        batch_reqs, lens, budget = [], [], self.config.max_batch_tokens
+        """Submit up to `runner.depth` prefill batches back to back, then take their logits.
+        A batch's composition depends only on prompt progress, never on results, so one
+        device and a pipeline run exactly the same batches."""
+        submitted = []
+        for _ in range(self.runner.depth):
+            plan = self._plan_prefill(reqs)
+            if not plan:
+                break
+            submitted.append(self._submit_prefill(plan))
+        for plan, batch, want_all, handle in submitted:
+            self._finish_prefill(plan, batch, want_all, self.runner.wait(handle))
+
+    def _plan_prefill(self, reqs: list[Request]) -> list[tuple[Request, int]]:
+        plan, budget = [], self.config.max_batch_tokens
         for r in reqs:
             n = min(self.config.chunk_size, len(r.prompt_token_ids) - r.num_computed, budget)
-            if n <= 0:
-                break
-            batch_reqs.append(r)
-            lens.append(n)
-            budget -= n
-        ids = [t for r, n in zip(batch_reqs, lens) for t in r.prompt_token_ids[r.num_computed : r.num_computed + n]]
-        batch = ForwardBatch(seq_lens=lens, cached_lens=[r.num_computed for r in batch_reqs],
-                             slot_ids=[r.slot_id for r in batch_reqs])  # fmt: skip
-        want_all = any(r.sampling.prompt_logprobs for r in batch_reqs)
-        logits = self._forward(ids, batch, all_logits=want_all)
+            if n > 0:
+                plan.append((r, n))
+                budget -= n
+        return plan
+
+    def _submit_prefill(self, plan):
+        ids = [t for r, n in plan for t in r.prompt_token_ids[r.num_computed : r.num_computed + n]]
+        batch = ForwardBatch(seq_lens=[n for _, n in plan],
+                             cached_lens=[r.num_computed for r, _ in plan],
+                             slot_ids=[r.slot_id for r, _ in plan])  # fmt: skip
+        want_all = any(r.sampling.prompt_logprobs for r, _ in plan)
+        handle = self.runner.submit(ids, batch, all_logits=want_all)
+        for r, n in plan:
+            r.num_computed += n
+        return plan, batch, want_all, handle
+
+    def _finish_prefill(self, plan, batch, want_all, logits) -> None:
         cu = batch.cu_seqlens
-        for j, (r, n) in enumerate(zip(batch_reqs, lens)):
+        for j, (r, n) in enumerate(plan):
             if want_all:
                 rows = logits[cu[j] : cu[j + 1]]
                 if r.sampling.prompt_logprobs:
-                    self._add_prompt_logprobs(r, rows, n)
+                    self._add_prompt_logprobs(r, rows, batch.cached_lens[j], n)
                 last = rows[-1]
             else:
                 last = logits[j]
-            r.num_computed += n
-            if r.num_computed == len(r.prompt_token_ids):
+            if batch.cached_lens[j] + n == len(r.prompt_token_ids):
                 r.phase = Phase.DECODE
                 self._append_token(r, last)
 
-    def _add_prompt_logprobs(self, req: Request, rows_TV, n: int) -> None:
-        """rows_TV: logits at prompt positions num_computed .. num_computed+n-1."""
-        if req.num_computed == 0:
+    def _add_prompt_logprobs(self, req: Request, rows_TV, start: int, n: int) -> None:
+        """rows_TV: logits at prompt positions start .. start+n-1."""
+        if start == 0:
             req.prompt_logprobs.append(None)
-        start = req.num_computed
         targets = req.prompt_token_ids[start + 1 : start + n + 1]
         lp = torch.log_softmax(rows_TV[: len(targets)], dim=-1)
         req.prompt_logprobs.extend(lp.gather(-1, torch.tensor(targets)[:, None])[:, 0].tolist())
@@ -155,15 +171,10 @@ class Engine:
         ids = [r.all_token_ids[-1] for r in reqs]
         batch = ForwardBatch(seq_lens=[1] * len(reqs), cached_lens=[r.num_computed for r in reqs],
                              slot_ids=[r.slot_id for r in reqs])  # fmt: skip
-        logits = self._forward(ids, batch, all_logits=False)
+        logits = self.runner.wait(self.runner.submit(ids, batch, all_logits=False))
         for r, row in zip(reqs, logits):
             r.num_computed += 1
             self._append_token(r, row)
-
-    def _forward(self, ids: list[int], batch: ForwardBatch, *, all_logits: bool):
-        x = torch.tensor(ids, dtype=torch.long, device=self.device)
-        logits = self.model.forward_batch(x, batch, self.cache, all_logits=all_logits)
-        return logits.float().cpu()
 
     def _append_token(self, req: Request, logits_V) -> None:
         p = req.sampling

@@ -1,0 +1,36 @@
+"""Runners: what the engine calls to run one forward. A runner owns the model's caches.
+
+Protocol: `submit(ids, batch, all_logits)` starts a forward over packed token ids and returns a
+handle; `wait(handle)` returns its logits as fp32 on the CPU ([num_seqs, V], or [T, V] with
+all_logits). Forwards run in submission order. `depth` is how many forwards may usefully be in
+flight at once (1 on one device; the number of stages for a pipeline).
+"""
+
+import torch
+
+from k3batch.cache.state_cache import StateCache
+from k3batch.model.forward_batch import ForwardBatch
+
+
+class LocalRunner:
+    """The whole model on one device; a forward runs at submit time."""
+
+    depth = 1
+
+    def __init__(self, model, *, num_slots: int, max_seq_len: int):
+        self.model, self.config = model, model.config
+        p = next(model.parameters())
+        self.device = p.device
+        self.cache = StateCache(
+            self.config, range(self.config.num_hidden_layers), num_slots=num_slots,
+            max_seq_len=max_seq_len, device=p.device, dtype=p.dtype,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def submit(self, ids: list[int], batch: ForwardBatch, all_logits: bool):
+        x = torch.tensor(ids, dtype=torch.long, device=self.device)
+        logits = self.model.forward_batch(x, batch, self.cache, all_logits=all_logits)
+        return logits.float().cpu()
+
+    def wait(self, handle):
+        return handle
