@@ -67,11 +67,16 @@ def logit_agreement(ref_logits, out_logits) -> dict:
 
 class MetricsTable:
     """Rows of measured numbers (a name plus any of rel_rms, max_abs, kl_mean, top1, ...),
-    printed as a fixed-width table. With `json_path`, every added row is also merged at once
-    into that JSON file as `{section: rows}` (other sections kept), so that several test
-    modules share one report file and a run cut short still leaves its numbers."""
+    printed as a fixed-width table.
 
-    COLUMNS = ("ok", "rel_rms", "rel_rms_tol", "max_abs", "kl_mean", "kl_max", "top1")
+    With `json_path`, every added row is merged at once into that JSON file, shaped
+    `{section: {row name: metrics}}`, under an exclusive file lock: several test modules and
+    several pytest-xdist workers can share one report file, and a run cut short still leaves
+    the numbers it measured.
+    """
+
+    COLUMNS = ("ok", "rel_rms", "rel_rms_tol", "max_abs", "kl_mean", "kl_max", "top1",
+               "route_agree")  # fmt: skip
 
     def __init__(self, section: str, json_path: str | Path | None = None):
         self.section = section
@@ -82,7 +87,7 @@ class MetricsTable:
         row = {"name": row_name} | {k: v for k, v in metrics.items() if k != "name"}
         self.rows.append(row)
         if self.json_path is not None:
-            self.merge_json(self.json_path)
+            self._merge_row(row)
         return row
 
     def check(self, name: str, ref, out, *, rel_rms: float, max_abs: float | None = None) -> dict:
@@ -112,14 +117,30 @@ class MetricsTable:
             lines.append(f"{r['name']:<{width}}  " + "  ".join(cells))
         return "\n".join(lines)
 
-    def merge_json(self, path: str | Path) -> None:
-        path = Path(path)
-        data = {}
-        if path.is_file():
+    @classmethod
+    def load_all(cls, json_path: str | Path) -> list["MetricsTable"]:
+        """The tables stored in a report file, one per section, rows sorted by name."""
+        data = json.loads(Path(json_path).read_text())
+        tables = []
+        for section, rows in data.items():
+            t = cls(section)
+            t.rows = [{"name": n} | m for n, m in sorted(rows.items())]
+            tables.append(t)
+        return tables
+
+    def _merge_row(self, row: dict) -> None:
+        import fcntl  # POSIX only, like the GPU hosts; imported here to keep import cheap
+
+        path = self.json_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(path.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                data = json.loads(path.read_text())
+                data = json.loads(path.read_text()) if path.is_file() else {}
             except json.JSONDecodeError:
                 data = {}
-        data[self.section] = self.rows
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=1))
+            section = data.setdefault(self.section, {})
+            section[row["name"]] = {k: v for k, v in row.items() if k != "name"}
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(data, indent=1))
+            tmp.replace(path)

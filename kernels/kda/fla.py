@@ -1,0 +1,121 @@
+"""The KDA ops on fla-core 0.6.0's Triton kernels (CUDA only): a thin wrapper, same contracts
+as `k3kernels.kda.reference`, inference only (autograd off inside).
+
+- `kda_prefill`: `chunk_kda` on the packed batch (B = 1, `cu_seqlens`), safe_gate when the gate
+  is bounded (K3); `kda_decode`: `fused_recurrent_kda` with one token per sequence as [N, 1, ...].
+  Gate, beta sigmoid and q/k L2 norm run in the kernel (spec 10.3); `lower_bound` alone picks
+  the gate formula: -5.0 gives lower_bound * sigmoid(exp(A) (f + dt_bias)), None the softplus
+  gate -exp(A) softplus(f + dt_bias) of Kimi Linear (fla's `kda_gate_chunk_cumsum` and the
+  recurrent kernel both switch on it).
+- `short_conv`: fla's `causal_conv1d` (varlen, prefill) and `causal_conv1d_update` (decode).
+  fla's cache is [N, C, W] with column W-1 the newest input and column 0 never read; ours is
+  [N, C, W-1], so it is padded with one zero column on the way in and trimmed on the way out
+  (spec 14.5).
+- `gated_rms_norm`: fla's fused `rms_norm_gated` with activation 'sigmoid'.
+
+State layout: K-first [N, H, K, V] fp32 (fla's default, `state_v_first=False`).
+Shape legend: T packed tokens, N sequences, H heads, K key dim, V value dim, C conv channels,
+W conv width. fla is imported lazily so that this module imports on any machine.
+"""
+
+import torch
+
+
+def _cu_seqlens(cu_seqlens, device):
+    """(device LongTensor, CPU LongTensor) from a list of N+1 offsets."""
+    cu_cpu = torch.as_tensor(cu_seqlens, dtype=torch.long)
+    return cu_cpu.to(device), cu_cpu
+
+
+def _gate_args(A_log, dt_bias, lower_bound):
+    return {
+        "A_log": A_log.float().contiguous(),
+        "dt_bias": dt_bias.float().contiguous(),
+        "lower_bound": lower_bound,
+        "use_gate_in_kernel": True,
+        "use_beta_sigmoid_in_kernel": True,
+        "use_qk_l2norm_in_kernel": True,
+    }
+
+
+@torch.no_grad()
+def kda_prefill(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, initial_state, cu_seqlens):
+    """KDA over a packed batch of whole chunks of sequences (`chunk_kda`).
+
+    q, k: [T, H, K] after the conv, before the L2 norm; v: [T, H, V]; f: [T, H, K] raw decay
+    logits; b: [T, H] raw beta logits; A_log [H] fp32; dt_bias [H*K] fp32; initial_state
+    [N, H, K, V] fp32; cu_seqlens: N+1 offsets (list).
+    Returns (o [T, H, V] in q's dtype, final state [N, H, K, V] fp32).
+    """
+    from fla.ops.kda import chunk_kda
+
+    cu, cu_cpu = _cu_seqlens(cu_seqlens, q.device)
+    o, state = chunk_kda(
+        q[None], k[None], v[None], f[None], b[None],
+        scale=scale,
+        initial_state=initial_state.float().contiguous(),
+        output_final_state=True,
+        safe_gate=lower_bound is not None,  # the bounded gate's tensor-core path (spec 14.7)
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu_cpu,
+        **_gate_args(A_log, dt_bias, lower_bound),
+    )  # fmt: skip
+    return o[0], state
+
+
+@torch.no_grad()
+def kda_decode(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, initial_state, cu_seqlens):
+    """One KDA step for each of N sequences (`fused_recurrent_kda`); the same args and returns
+    as `kda_prefill`, with T == N and every sequence exactly one token long."""
+    from fla.ops.kda import fused_recurrent_kda
+
+    N = len(cu_seqlens) - 1
+    if list(cu_seqlens) != list(range(N + 1)):
+        raise ValueError(f"kda_decode needs one token per sequence; got cu_seqlens {cu_seqlens}")
+    T, H, K = q.shape
+    V = v.shape[-1]
+    o, state = fused_recurrent_kda(
+        q.reshape(N, 1, H, K), k.reshape(N, 1, H, K), v.reshape(N, 1, H, V),
+        f.reshape(N, 1, H, K), b.reshape(N, 1, H),
+        scale=scale,
+        initial_state=initial_state.float().contiguous(),
+        output_final_state=True,
+        **_gate_args(A_log, dt_bias, lower_bound),
+    )  # fmt: skip
+    return o.reshape(T, H, V), state
+
+
+@torch.no_grad()
+def short_conv(x, weight_CW, conv_state, cu_seqlens, *, decode: bool):
+    """Causal depthwise conv + SiLU per sequence, continuing from a cached state.
+
+    x: [T, C]; weight_CW: [C, W] (column W-1 multiplies the current token); conv_state
+    [N, C, W-1], the previous W-1 inputs oldest first; decode: every sequence has one token.
+    Returns (y [T, C] in x's dtype, new conv_state [N, C, W-1] in x's dtype).
+    """
+    from fla.modules.causal_conv1d import causal_conv1d, causal_conv1d_update
+
+    N, C = conv_state.shape[:2]
+    weight = weight_CW.float().contiguous()
+    # fla's [N, C, W] cache: column 0 is never read by the conv, so a zero column stands in.
+    cache = torch.cat([conv_state.new_zeros(N, C, 1), conv_state], dim=-1).to(x.dtype).contiguous()
+    if decode:
+        if x.shape[0] != N or list(cu_seqlens) != list(range(N + 1)):
+            raise ValueError(f"decode short_conv needs one token per sequence; got {cu_seqlens}")
+        y, cache = causal_conv1d_update(x.contiguous(), cache, weight=weight, activation="silu")
+        return y, cache[..., 1:]  # updated in place: now the last W inputs, current included
+    cu, cu_cpu = _cu_seqlens(cu_seqlens, x.device)
+    y, final = causal_conv1d(
+        x.contiguous()[None], weight=weight, initial_state=cache, output_final_state=True,
+        activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+    )  # fmt: skip
+    return y[0], final[..., 1:].contiguous()
+
+
+@torch.no_grad()
+def gated_rms_norm(o, z, weight, eps: float):
+    """RMSNorm(o) over the last dim (weight [V] shared by heads) times sigmoid(z), fp32 inside.
+    o, z: [..., V]; returns o's dtype."""
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+    return rms_norm_gated(o, z, weight, None, activation="sigmoid", eps=eps)
