@@ -113,7 +113,7 @@ def ray_head():
     }
     env.pop("RAY_ADDRESS", None)
     cmd = [
-        RAY, "start", "--head", "--block", "--num-cpus=4", "--include-dashboard=true",
+        RAY, "start", "--head", "--block", "--num-cpus=12", "--include-dashboard=true",
         "--disable-usage-stats", f"--temp-dir={temp_dir}", "--dashboard-host=127.0.0.1",
         f"--port={gcs_port}", f"--dashboard-port={dashboard_port}",
         f"--dashboard-agent-listen-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
@@ -146,3 +146,11 @@ def _wait_for_dashboard(head: Head, proc: subprocess.Popen, log_path: Path) -> N
             time.sleep(0.5)
 
 
+@pytest.fixture(scope="module")
+def cluster(ray_head):
+    """This process joins the shared head as a driver (the token is in the environment)."""
+    import ray
+
+    ray.init(address=ray_head.gcs_address)
+    yield ray_head
+    ray.shutdown()

@@ -1,8 +1,7 @@
-"""The batch job end to end on the shared local Ray head (4 logical CPUs, token auth) with a tiny k3-debug checkpoint:
+"""The batch job end to end on the shared local Ray head (12 logical CPUs, token auth) with a tiny k3-debug checkpoint:
 columns, every bad input of the job contract, resume after SIGKILL of the driver and after a
 replica death, two replicas on one stream, bounded memory."""
 
-import os
 import random
 import signal
 import subprocess
@@ -21,14 +20,6 @@ from k3batch.jobspec import (EngineConfig, InputSpec, JobSpec, OutputSpec, Repli
                              load_job_spec)  # fmt: skip
 from k3batch.engine.request import SamplingParams
 from k3batch.model.weights import init_checkpoint
-
-
-@pytest.fixture(scope="module")
-def cluster(ray_head):
-    """This process joins the shared head as a driver (the token is in the environment)."""
-    ray.init(address=ray_head.gcs_address)
-    yield ray_head
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,76 @@
+"""PipelineRunner: a chunked pipeline-parallel prefill (and, until decode groups exist, decode)
+over P PrefillStageActors, behind the engine's runner protocol (`engine/runner.py`).
+
+`submit` sends one batch to every stage (stage 0 gets the token ids) and returns immediately;
+up to P batches are in flight, so all stages work at once. `bubble()` turns the stages'
+compute intervals into busy fractions and the pipeline bubble.
+"""
+
+import ray
+import torch
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from k3batch.actors.prefill import PrefillStageActor
+from k3batch.model.config import K3Config
+from k3batch.model.forward_batch import ForwardBatch
+from k3batch.parallel.pipeline import split_layers
+
+
+class PipelineRunner:
+    def __init__(self, model_dir: str, *, num_stages: int, num_slots: int, max_seq_len: int,
+                 device: str, dtype: torch.dtype, stage_sizes: list[int] | None = None,
+                 placement_group=None, first_bundle: int = 0, num_gpus_per_stage: float = 0):  # fmt: skip
+        self.config = K3Config.from_hf(model_dir)
+        self.depth = num_stages
+        self.layer_ranges = split_layers(self.config.num_hidden_layers, num_stages,
+                                         self.config.attn_res_block_size, stage_sizes)  # fmt: skip
+        cls = ray.remote(PrefillStageActor)
+        self.stages = []
+        for rank, rng in enumerate(self.layer_ranges):
+            opts = {"num_cpus": 1 if device == "cpu" else 0.1, "num_gpus": num_gpus_per_stage}
+            if placement_group is not None:
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group, placement_group_bundle_index=first_bundle + rank)
+            self.stages.append(cls.options(**opts).remote(
+                model_dir, rng, rank=rank, num_stages=num_stages, num_slots=num_slots,
+                max_seq_len=max_seq_len, device=device, dtype=dtype))  # fmt: skip
+        host, port = ray.get(self.stages[0].endpoint.remote())
+        ray.get([s.init_group.remote(host, port) for s in self.stages])
+
+    def submit(self, ids: list[int], batch: ForwardBatch, all_logits: bool):
+        meta = {"seq_lens": batch.seq_lens, "cached_lens": batch.cached_lens, "slot_ids": batch.slot_ids}
+        return [s.forward.remote(ids if r == 0 else None, meta, all_logits)
+                for r, s in enumerate(self.stages)]  # fmt: skip
+
+    def wait(self, refs):
+        return ray.get(refs)[-1]  # ray.get on every stage: a failing stage raises here
+
+    def cache_tensors(self, slot_ids: list[int]) -> dict:
+        """Every stage's cache for the slots, merged by layer."""
+        merged = {"kda_state": {}, "kda_conv": {}, "mla_latent": {}}
+        for part in ray.get([s.cache_tensors.remote(slot_ids) for s in self.stages]):
+            for name, layers in part.items():
+                merged[name].update(layers)
+        return merged
+
+    def bubble(self, reset: bool = True) -> dict:
+        """Busy fraction per stage over the span from the first compute start to the last
+        compute end (all stages), and the bubble = 1 - mean busy fraction."""
+        stats = ray.get([s.stats.remote() for s in self.stages])
+        if reset:
+            ray.get([s.reset_stats.remote() for s in self.stages])
+        intervals = [st["busy"] for st in stats]
+        starts = [a for iv in intervals for a, _ in iv]
+        ends = [b for iv in intervals for _, b in iv]
+        if not starts:
+            return {"busy": [0.0] * len(self.stages), "bubble": 1.0, "span_s": 0.0}
+        span = max(ends) - min(starts)
+        busy = [sum(b - a for a, b in iv) / span for iv in intervals]
+        return {"busy": busy, "bubble": 1 - sum(busy) / len(busy), "span_s": span}
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([s.shutdown.remote() for s in self.stages], timeout=30)
+        finally:
+            for s in self.stages:
+                ray.kill(s)

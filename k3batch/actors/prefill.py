@@ -1,0 +1,98 @@
+"""PrefillStageActor: one pipeline stage (a contiguous range of layers) as a Ray actor.
+
+A stage loads only its layers' tensors, keeps every request's caches for those layers across
+chunks (slot-indexed, slots chosen by the engine), and moves activations stage to stage with
+torch.distributed point-to-point (gloo on CPU, NCCL on GPU) inside the actors; nothing goes
+through the object store except the last stage's logits. Calls run one at a time in
+submission order, so consecutive chunks flow through the stages like a conveyor: stage s works
+on chunk c while stage s-1 works on chunk c+1, and a stage's send overlaps its next chunk.
+"""
+
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from k3batch.cache.state_cache import StateCache
+from k3batch.model.forward_batch import ForwardBatch
+from k3batch.model.loader import load_model
+from k3batch.parallel.pipeline import bank_size, pack_stream, unpack_stream
+
+
+class PrefillStageActor:
+    def __init__(self, model_dir: str, layer_range: tuple[int, int], *, rank: int, num_stages: int,
+                 num_slots: int, max_seq_len: int, device: str, dtype: torch.dtype):  # fmt: skip
+        if device == "cpu":
+            torch.set_num_threads(1)  # tiny CPU models: see generate.build_engine
+        self.rank, self.num_stages = rank, num_stages
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        self.model = load_model(model_dir, dtype=dtype, device=self.device, layer_range=layer_range)
+        self.config, self.dtype = self.model.config, dtype
+        self.cache = StateCache(self.config, range(*layer_range), num_slots=num_slots,
+                                max_seq_len=max_seq_len, device=self.device, dtype=dtype)  # fmt: skip
+        self.busy: list[tuple[float, float]] = []  # wall-clock compute intervals, recv/send excluded
+        self._send = None  # (work, tensor) of the last isend
+
+    def endpoint(self) -> tuple[str, int]:
+        """Rank 0 hosts the rendezvous: its address and a free port."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def init_group(self, host: str, port: int, timeout_s: float = 600) -> None:
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
+                                world_size=self.num_stages, timeout=timedelta(seconds=timeout_s))  # fmt: skip
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int] | None, meta: dict, all_logits: bool):
+        """Run this stage's layers on one batch. The first stage embeds `ids`; the others
+        receive the stream from the previous stage. The last stage returns logits (fp32, CPU);
+        the others send the stream on and return None."""
+        batch = ForwardBatch(**meta)
+        first, last = self.model.layer_range
+        if self.rank == 0:
+            t0 = time.time()
+            stream = self.model.embed(torch.tensor(ids, dtype=torch.long, device=self.device))
+        else:
+            n = bank_size(first, self.config.attn_res_block_size) + 1
+            buf = torch.empty(n, batch.num_tokens, self.config.hidden_size, dtype=self.dtype, device=self.device)
+            dist.recv(buf, src=self.rank - 1)
+            t0 = time.time()
+            stream = unpack_stream(buf)
+        stream = self.model.run_layers(stream, batch, self.cache)
+        if self.rank == self.num_stages - 1:
+            h = self.model.final_hidden(stream)
+            if not all_logits:
+                h = h[batch.last_token_idx]
+            out = self.model.lm_head(h).float().cpu()
+            self.busy.append((t0, time.time()))
+            return out
+        packed = pack_stream(stream).contiguous()
+        self.busy.append((t0, time.time()))
+        if self._send is not None:
+            self._send[0].wait()
+        self._send = (dist.isend(packed, dst=self.rank + 1), packed)
+        return None
+
+    def cache_tensors(self, slot_ids: list[int]) -> dict:
+        """This stage's cache for the given slots (tests compare them with one device)."""
+        idx = torch.tensor(slot_ids)
+        return {name: {i: t[idx].cpu() for i, t in getattr(self.cache, name).items()}
+                for name in ("kda_state", "kda_conv", "mla_latent")}  # fmt: skip
+
+    def stats(self) -> dict:
+        return {"rank": self.rank, "layers": self.model.layer_range, "busy": list(self.busy)}
+
+    def reset_stats(self) -> None:
+        self.busy.clear()
+
+    def shutdown(self) -> None:
+        if self._send is not None:
+            self._send[0].wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()

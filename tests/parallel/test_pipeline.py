@@ -1,0 +1,70 @@
+"""Chunked pipeline-parallel prefill on Ray stage actors (gloo on CPU) against one device:
+bit-identical logits and caches (torch.equal) for interleaved requests of different lengths,
+with a chunk size that divides none of them; the default stage partition."""
+
+import pytest
+import torch
+
+from k3batch.actors.pipeline import PipelineRunner
+from k3batch.engine.runner import LocalRunner
+from k3batch.model.forward_batch import ForwardBatch
+from k3batch.model.loader import load_model
+from k3batch.model.weights import init_checkpoint
+from k3batch.parallel.pipeline import split_layers
+
+
+def test_default_partition_follows_attn_res_blocks():
+    sizes = lambda P: [b - a for a, b in split_layers(93, P, 12)]  # noqa: E731
+    assert sizes(8) == [12] * 7 + [9]
+    assert sizes(1) == [93] and sizes(93) == [1] * 93
+    assert sizes(4) == [24, 24, 24, 21]
+    assert sum(sizes(16)) == 93 and len(sizes(16)) == 16
+    assert split_layers(27, 3, None) == [(0, 9), (9, 18), (18, 27)]
+    assert split_layers(10, 2, None, sizes=[3, 7]) == [(0, 3), (3, 10)]
+    with pytest.raises(ValueError, match="pp = 94"):
+        split_layers(93, 94, 12)
+    with pytest.raises(ValueError, match="summing to 93"):
+        split_layers(93, 2, 12, sizes=[40, 40])
+
+
+def _interleaved_batches(prompts, chunk):
+    """Every request advances by up to `chunk` tokens per batch, all packed together."""
+    done = [0] * len(prompts)
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        seqs = [i for i, p in enumerate(prompts) if done[i] < len(p)]
+        lens = [min(chunk, len(prompts[i]) - done[i]) for i in seqs]
+        ids = [t for i, n in zip(seqs, lens) for t in prompts[i][done[i] : done[i] + n]]
+        yield ids, ForwardBatch(seq_lens=lens, cached_lens=[done[i] for i in seqs], slot_ids=seqs)
+        for i, n in zip(seqs, lens):
+            done[i] += n
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pp") / "k3-debug"
+    init_checkpoint("k3-debug", path, seed=3)
+    return str(path)
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_pipeline_prefill_is_bit_identical(cluster, checkpoint, pp):
+    g = torch.Generator().manual_seed(pp)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (13, 29, 7)]
+    local = LocalRunner(load_model(checkpoint, dtype=torch.float32), num_slots=3, max_seq_len=64)
+    runner = PipelineRunner(checkpoint, num_stages=pp, num_slots=3, max_seq_len=64, device="cpu",
+                            dtype=torch.float32)  # fmt: skip
+    try:
+        batches = list(_interleaved_batches(prompts, chunk=5))
+        handles = [runner.submit(ids, b, all_logits=True) for ids, b in batches]  # all in flight
+        for (ids, b), h in zip(batches, handles):
+            assert torch.equal(runner.wait(h), local.wait(local.submit(ids, b, all_logits=True)))
+        got = runner.cache_tensors([0, 1, 2])
+        for name in ("kda_state", "kda_conv", "mla_latent"):
+            ref = getattr(local.cache, name)
+            assert sorted(got[name]) == sorted(ref)
+            for layer, t in got[name].items():
+                assert torch.equal(t, ref[layer]), (name, layer)
+        stats = runner.bubble()
+        assert len(stats["busy"]) == pp and 0 <= stats["bubble"] < 1
+    finally:
+        runner.shutdown()
