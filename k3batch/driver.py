@@ -85,7 +85,8 @@ def run_job(spec: JobSpec, *, progress_stream=None) -> JobReport:
 
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(address=spec.address, num_cpus=None if spec.address else spec.replicas.num_replicas + 2,
+        local_cpus = spec.replicas.num_replicas * (spec.replicas.pp + 1) + 2  # logical
+        ray.init(address=spec.address, num_cpus=None if spec.address else local_cpus,
                  include_dashboard=False)  # fmt: skip
     replicas, groups = [], []
     try:
@@ -100,6 +101,7 @@ def run_job(spec: JobSpec, *, progress_stream=None) -> JobReport:
         busy = ray.get([r.stats.remote() for r in replicas])
         report.stage_s["generate"] = max(s["busy_s"] for s in busy)
         report.rows_per_replica = [s["rows"] for s in busy]
+        report.pipeline = [s["pipeline"] for s in busy if "pipeline" in s]
     finally:
         for actor in replicas:
             ray.kill(actor)
@@ -138,27 +140,31 @@ def _committed_ids(sink: ShardSink, done, spec: JobSpec) -> set[str]:
 
 
 def _start_replicas(spec: JobSpec, device: str):
-    """One placement group per replica (STRICT_PACK, so a replica's devices share a node) and
-    one actor in it. GPU and accelerator-type requests let an autoscaler see the demand."""
+    """One placement group per replica and one replica actor in its first bundle. pp = 1: one
+    bundle with the replica's devices (STRICT_PACK). pp > 1: the replica (a light coordinator)
+    plus one bundle per pipeline stage (PACK: stages may span nodes). GPU and accelerator-type
+    requests let an autoscaler see the demand."""
     r = spec.replicas
-    bundle = {"CPU": 1}
-    opts = {"num_cpus": 1}
-    if device == "cuda":
-        gpus = r.num_gpus if r.num_gpus is not None else r.pp * r.tp
-        bundle["GPU"] = opts["num_gpus"] = gpus
-        if r.accelerator_type:
-            opts["accelerator_type"] = r.accelerator_type
-    groups = [placement_group([bundle], strategy="STRICT_PACK") for _ in range(r.num_replicas)]
+    gpus = (r.num_gpus if r.num_gpus is not None else r.pp * r.tp) if device == "cuda" else 0
+    accel = {f"accelerator_type:{r.accelerator_type}": 0.001} if r.accelerator_type and gpus else {}
+    if r.pp == 1:
+        bundles, strategy = [{"CPU": 1, "GPU": gpus, **accel}], "STRICT_PACK"
+    else:
+        stage = {"CPU": 1, "GPU": gpus / r.pp, **accel}
+        bundles, strategy = [{"CPU": 1}] + [stage] * r.pp, "PACK"
+    bundles = [{k: v for k, v in b.items() if v} for b in bundles]
+    groups = [placement_group(bundles, strategy=strategy) for _ in range(r.num_replicas)]
     for pg in groups:
         while not _wait_ready(pg, 30):
-            log.warning("waiting for resources for a replica: %s", bundle)
+            log.warning("waiting for resources for a replica: %s", bundles)
     actor_cls = ray.remote(ReplicaActor)
     actors = [
         actor_cls.options(
-            **opts, max_restarts=r.max_retries, max_task_retries=0, max_concurrency=64,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg),
-            name=f"{spec.name}/replica-{i}",
-        ).remote(spec.model, spec.engine, device)
+            num_cpus=1, num_gpus=gpus if r.pp == 1 else 0, max_restarts=r.max_retries,
+            max_task_retries=0, max_concurrency=64, name=f"{spec.name}/replica-{i}",
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+        ).remote(spec.model, spec.engine, device, pp=r.pp, placement_group=pg,
+                 gpus_per_stage=gpus / r.pp)
         for i, pg in enumerate(groups)
     ]  # fmt: skip
     ray.get([a.ready.remote() for a in actors])

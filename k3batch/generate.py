@@ -18,16 +18,30 @@ def default_dtype(device: str) -> torch.dtype:
 
 
 def build_engine(model_dir: str, engine_config: EngineConfig, *, device: str | None = None,
-                 dtype: torch.dtype | None = None) -> tuple[Engine, Tokenizer]:  # fmt: skip
+                 dtype: torch.dtype | None = None, pp: int = 1, placement_group=None,
+                 gpus_per_stage: float = 0) -> tuple[Engine, Tokenizer]:  # fmt: skip
+    """An engine on this device (pp = 1), or over a pipeline of pp stage actors (Ray), whose
+    stages go in bundles 1..pp of `placement_group` when one is given."""
     device = device or default_device()
+    dtype = dtype or default_dtype(device)
     if device == "cpu":
         # CPU runs are the tiny debug flavors, bound by per-op overhead: extra intra-op threads
         # only spin (10x slower on a busy 2-core machine).
         torch.set_num_threads(1)
-    model = load_model(model_dir, dtype=dtype or default_dtype(device), device=device)
     tokenizer = Tokenizer.from_dir(model_dir)
-    stops = tuple(tokenizer.stop_token_ids) or (model.config.eos_token_id,)
-    return Engine(model, engine_config, eos_token_ids=stops), tokenizer
+    if pp == 1:
+        model, runner = load_model(model_dir, dtype=dtype, device=device), None
+    else:
+        from k3batch.actors.pipeline import PipelineRunner
+
+        model = None
+        runner = PipelineRunner(
+            model_dir, num_stages=pp, num_slots=engine_config.max_num_seqs,
+            max_seq_len=engine_config.max_seq_len, device=device, dtype=dtype,
+            placement_group=placement_group, first_bundle=1, num_gpus_per_stage=gpus_per_stage,
+        )  # fmt: skip
+    engine = Engine(model, engine_config, runner=runner, eos_token_ids=tuple(tokenizer.stop_token_ids) or None)
+    return engine, tokenizer
 
 
 def generate_text(model_dir: str, prompts: list[str], sampling: SamplingParams, *, chat: bool,

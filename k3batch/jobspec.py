@@ -21,6 +21,7 @@ from pathlib import Path
 
 from k3batch.engine.engine import EngineConfig
 from k3batch.engine.request import SamplingParams
+from k3batch.model.config import K3Config
 
 # Per-row sampling overrides: input columns with these names, when present, win over [sampling].
 ROW_SAMPLING_COLUMNS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
@@ -89,11 +90,14 @@ class JobSpec:
             raise ValueError(f"replicas.max_retries = {r.max_retries} must be >= 0")
         if r.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"replicas.device = {r.device!r}; expected auto, cpu or cuda")
-        if (r.pp, r.tp, r.dcp) != (1, 1, 1):
+        if (r.tp, r.dcp) != (1, 1):
             raise ValueError(
-                f"replicas: pp = {r.pp}, tp = {r.tp}, dcp = {r.dcp}: only single-device replicas "
-                "(pp = tp = dcp = 1) are implemented so far"
+                f"replicas: tp = {r.tp}, dcp = {r.dcp}: tensor-parallel decode groups are not "
+                "implemented yet (tp = dcp = 1)"
             )
+        layers = K3Config.from_hf(self.model).num_hidden_layers
+        if r.pp > layers:
+            raise ValueError(f"replicas.pp = {r.pp} > {layers} layers")
         return self
 
     def fingerprint(self) -> tuple[str, dict]:

@@ -27,6 +27,7 @@ class JobReport:
     rows_per_replica: list[int] = field(default_factory=list)
     peak_open_units: int = 0  # units held in driver memory at once (bounded by design)
     peak_inflight_rows: int = 0  # rows dispatched to one replica and not yet returned
+    pipeline: list[dict] = field(default_factory=list)  # per replica with pp > 1: busy, bubble
     stage_s: dict[str, float] = field(default_factory=lambda: {
         "startup": 0.0, "read": 0.0, "tokenize": 0.0, "generate": 0.0, "write": 0.0})  # fmt: skip
     wall_s: float = 0.0
@@ -54,6 +55,9 @@ class JobReport:
             f"over {self.wall_s:.1f} s",
             "time per stage (s): " + ", ".join(f"{k} {v:.1f}" for k, v in self.stage_s.items()),
         ]
+        for i, p in enumerate(self.pipeline):
+            busy = " ".join(f"{b:.0%}" for b in p["busy"])
+            lines.append(f"replica {i} pipeline: stage busy {busy}; bubble {p['bubble']:.0%}")
         if self.replica_failures:
             lines.append(f"replica failures: {self.replica_failures}, rows retried: {self.rows_retried}")
         if self.unreadable_inputs:

@@ -36,7 +36,7 @@ def _spec(model_dir, inp, out, **kw) -> JobSpec:
         output=OutputSpec(path=str(out), logprobs=kw.pop("logprobs", False)),
         sampling=SamplingParams(temperature=0, max_new_tokens=kw.pop("max_new_tokens", 4)),
         replicas=ReplicaSpec(num_replicas=kw.pop("replicas", 1), device="cpu",
-                             max_inflight_rows=kw.pop("inflight", 8)),
+                             max_inflight_rows=kw.pop("inflight", 8), pp=kw.pop("pp", 1)),
         engine=EngineConfig(max_num_seqs=kw.pop("max_num_seqs", 8), max_seq_len=128, chunk_size=64),
     )  # fmt: skip
 
@@ -262,3 +262,15 @@ def test_job_submitted_through_ray_jobs_completes(cluster, model_dir, tmp_path):
     assert job_status(sid, **kw) == "SUCCEEDED", logs[-3000:]
     assert "5 rows written" in logs
     assert pq.read_table(tmp_path / "out").num_rows == 5
+
+
+def test_pipeline_job_writes_the_same_tokens(cluster, model_dir, tmp_path):
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(8)], "prompt": _prompts(8, 11)}), inp)
+    ref = _reference(model_dir, inp, tmp_path)
+    report = run_job(_spec(model_dir, inp, tmp_path / "out", name="pp4", batch_rows=3,
+                           max_new_tokens=6, max_num_seqs=1, pp=4))  # fmt: skip
+    rows = pq.read_table(tmp_path / "out").to_pylist()
+    assert {r["id"]: r["output_token_ids"] for r in rows} == ref
+    (pipe,) = report.pipeline
+    assert len(pipe["busy"]) == 4 and 0 <= pipe["bubble"] < 1

@@ -22,11 +22,15 @@ log = logging.getLogger(__name__)
 
 
 class ReplicaActor:
-    def __init__(self, model_dir: str, engine_config: EngineConfig, device: str):
+    def __init__(self, model_dir: str, engine_config: EngineConfig, device: str, *, pp: int = 1,
+                 placement_group=None, gpus_per_stage: float = 0):  # fmt: skip
         from k3batch.generate import build_engine
 
         t0 = time.perf_counter()
-        self.engine, self.tokenizer = build_engine(model_dir, engine_config, device=device)
+        self.engine, self.tokenizer = build_engine(
+            model_dir, engine_config, device=device, pp=pp, placement_group=placement_group,
+            gpus_per_stage=gpus_per_stage,
+        )  # fmt: skip
         self.load_s = time.perf_counter() - t0
         self.busy_s = 0.0
         self.rows = 0
@@ -38,7 +42,10 @@ class ReplicaActor:
         return {"load_s": self.load_s, "pid": os.getpid()}
 
     def stats(self) -> dict:
-        return {"load_s": self.load_s, "busy_s": self.busy_s, "rows": self.rows}
+        out = {"load_s": self.load_s, "busy_s": self.busy_s, "rows": self.rows}
+        if hasattr(self.engine.runner, "bubble"):
+            out["pipeline"] = self.engine.runner.bubble(reset=False)
+        return out
 
     async def generate(self, items: list[tuple[object, list[int], SamplingParams]]) -> list[dict]:
         """items: (key, prompt token ids, sampling). Returns dicts with key, generated_text,
