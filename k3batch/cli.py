@@ -111,6 +111,36 @@ def run(job, **flags):
         raise SystemExit(2)
 
 
+@main.group()
+def bench():
+    """Benchmarks: they print numbers (and save them with --json)."""
+
+
+@bench.command("pipeline")
+@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--stages", default=8, show_default=True, type=int)
+@click.option("--chunks", default="1,2,3,4,5,6,8,12,16,24,32", show_default=True,
+              help="Comma-separated chunk counts.")
+@click.option("--chunk-tokens", default=64, show_default=True, type=int)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--address", default=None, help="Ray cluster; default: a local Ray.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def bench_pipeline(model_dir, stages, chunks, chunk_tokens, device, address, json_path):
+    """Measured fill of a chunked PP prefill against the teaching model n/(n+P-1)."""
+    import json
+
+    from k3batch.bench import format_fill_table, run_pipeline_bench
+
+    counts = [int(c) for c in chunks.split(",")]
+    rows = run_pipeline_bench(model_dir, num_stages=stages, chunk_counts=counts,
+                              chunk_tokens=chunk_tokens, device=device, address=address)  # fmt: skip
+    click.echo(format_fill_table(rows, stages))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"stages": stages, "chunk_tokens": chunk_tokens, "device": device,
+                       "rows": rows}, f, indent=1)  # fmt: skip
+
+
 register_job_commands(main)
 
 if __name__ == "__main__":

@@ -68,3 +68,14 @@ def test_pipeline_prefill_is_bit_identical(cluster, checkpoint, pp):
         assert len(stats["busy"]) == pp and 0 <= stats["bubble"] < 1
     finally:
         runner.shutdown()
+
+
+def test_fill_benchmark_runs_and_teaching_model(cluster, checkpoint):
+    from k3batch.bench import format_fill_table, pipeline_fill, teaching_fill
+
+    assert round(teaching_fill(5, 8), 3) == 0.417  # the blog's 5 chunks over 8 stages
+    rows = pipeline_fill(checkpoint, num_stages=2, chunk_counts=[1, 3], chunk_tokens=4,
+                         device="cpu", repeats=1)  # fmt: skip
+    assert [r["chunks"] for r in rows] == [1, 3]
+    assert all(0 < r["fill"] <= 1 and len(r["busy"]) == 2 for r in rows)
+    assert "teaching" in format_fill_table(rows, 2)

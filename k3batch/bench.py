@@ -1,0 +1,74 @@
+"""Benchmarks (numbers are printed, never asserted). `k3batch bench pipeline`: the fill of a
+chunked prefill pipeline against the teaching model.
+
+Teaching model: n equal chunks through P stages take n + P - 1 chunk-times, in which each stage
+works n of them, so the fill (mean busy fraction) is n / (n + P - 1): 5 chunks over 8 stages
+fill 5/12 = 42%. Measured: one prompt of n chunks submitted back to back through P stage
+actors; each stage's compute intervals (receive and send excluded) over the span from the first
+compute start to the last compute end.
+"""
+
+import time
+
+import ray
+import torch
+
+from k3batch.actors.pipeline import PipelineRunner
+from k3batch.model.forward_batch import ForwardBatch
+
+
+def teaching_fill(num_chunks: int, num_stages: int) -> float:
+    return num_chunks / (num_chunks + num_stages - 1)
+
+
+def pipeline_fill(model_dir: str, *, num_stages: int, chunk_counts: list[int], chunk_tokens: int,
+                  device: str, repeats: int = 2) -> list[dict]:  # fmt: skip
+    runner = PipelineRunner(model_dir, num_stages=num_stages, num_slots=1,
+                            max_seq_len=max(chunk_counts) * chunk_tokens + 1, device=device,
+                            dtype=torch.float32 if device == "cpu" else torch.bfloat16)  # fmt: skip
+    rows = []
+    try:
+        gen = torch.Generator().manual_seed(0)
+        vocab = runner.config.vocab_size
+        for n in [1, *chunk_counts]:  # the first n = 1 warms every stage up
+            best = None
+            for _ in range(repeats):
+                runner.bubble(reset=True)
+                t0 = time.perf_counter()
+                handles = []
+                for c in range(n):
+                    ids = torch.randint(0, vocab, (chunk_tokens,), generator=gen).tolist()
+                    batch = ForwardBatch(seq_lens=[chunk_tokens], cached_lens=[c * chunk_tokens], slot_ids=[0])
+                    handles.append(runner.submit(ids, batch, all_logits=False))
+                for h in handles:
+                    runner.wait(h)
+                wall = time.perf_counter() - t0
+                stats = runner.bubble(reset=True)
+                fill = 1 - stats["bubble"]
+                if best is None or fill > best["fill"]:
+                    best = {"chunks": n, "fill": fill, "busy": stats["busy"], "wall_s": wall}
+            rows.append(best | {"teaching_fill": teaching_fill(n, num_stages)})
+    finally:
+        runner.shutdown()
+    return rows[1:]
+
+
+def format_fill_table(rows: list[dict], num_stages: int) -> str:
+    lines = [f"chunked prefill pipeline, P = {num_stages} stages",
+             "chunks | measured fill | teaching n/(n+P-1) | bubble | wall s"]  # fmt: skip
+    for r in rows:
+        lines.append(f"{r['chunks']:6d} | {r['fill']:13.1%} | {r['teaching_fill']:18.1%} | "
+                     f"{1 - r['fill']:6.1%} | {r['wall_s']:6.2f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def run_pipeline_bench(model_dir, *, num_stages, chunk_counts, chunk_tokens, device, address=None):
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=address, num_cpus=None if address else num_stages + 2, include_dashboard=False)
+    try:
+        return pipeline_fill(model_dir, num_stages=num_stages, chunk_counts=chunk_counts,
+                             chunk_tokens=chunk_tokens, device=device)  # fmt: skip
+    finally:
+        if started:
+            ray.shutdown()
