@@ -21,11 +21,23 @@ def teaching_fill(num_chunks: int, num_stages: int) -> float:
     return num_chunks / (num_chunks + num_stages - 1)
 
 
-def pipeline_fill(model_dir: str, *, num_stages: int, chunk_counts: list[int], chunk_tokens: int,
-                  device: str, repeats: int = 2) -> list[dict]:  # fmt: skip
-    runner = PipelineRunner(model_dir, num_stages=num_stages, num_slots=1,
-                            max_seq_len=max(chunk_counts) * chunk_tokens + 1, device=device,
-                            dtype=torch.float32 if device == "cpu" else torch.bfloat16)  # fmt: skip
+def pipeline_fill(
+    model_dir: str,
+    *,
+    num_stages: int,
+    chunk_counts: list[int],
+    chunk_tokens: int,
+    device: str,
+    repeats: int = 2,
+) -> list[dict]:
+    runner = PipelineRunner(
+        model_dir,
+        num_stages=num_stages,
+        num_slots=1,
+        max_seq_len=max(chunk_counts) * chunk_tokens + 1,
+        device=device,
+        dtype=torch.float32 if device == "cpu" else torch.bfloat16,
+    )
     rows = []
     try:
         gen = torch.Generator().manual_seed(0)
@@ -38,7 +50,9 @@ def pipeline_fill(model_dir: str, *, num_stages: int, chunk_counts: list[int], c
                 handles = []
                 for c in range(n):
                     ids = torch.randint(0, vocab, (chunk_tokens,), generator=gen).tolist()
-                    batch = ForwardBatch(seq_lens=[chunk_tokens], cached_lens=[c * chunk_tokens], slot_ids=[0])
+                    batch = ForwardBatch(
+                        seq_lens=[chunk_tokens], cached_lens=[c * chunk_tokens], slot_ids=[0]
+                    )
                     handles.append(runner.submit(ids, batch, all_logits=False))
                 for h in handles:
                     runner.wait(h)
@@ -54,21 +68,32 @@ def pipeline_fill(model_dir: str, *, num_stages: int, chunk_counts: list[int], c
 
 
 def format_fill_table(rows: list[dict], num_stages: int) -> str:
-    lines = [f"chunked prefill pipeline, P = {num_stages} stages",
-             "chunks | measured fill | teaching n/(n+P-1) | bubble | wall s"]  # fmt: skip
+    lines = [
+        f"chunked prefill pipeline, P = {num_stages} stages",
+        "chunks | measured fill | teaching n/(n+P-1) | bubble | wall s",
+    ]
     for r in rows:
-        lines.append(f"{r['chunks']:6d} | {r['fill']:13.1%} | {r['teaching_fill']:18.1%} | "
-                     f"{1 - r['fill']:6.1%} | {r['wall_s']:6.2f}")  # fmt: skip
+        lines.append(
+            f"{r['chunks']:6d} | {r['fill']:13.1%} | {r['teaching_fill']:18.1%} | "
+            f"{1 - r['fill']:6.1%} | {r['wall_s']:6.2f}"
+        )
     return "\n".join(lines)
 
 
 def run_pipeline_bench(model_dir, *, num_stages, chunk_counts, chunk_tokens, device, address=None):
     started = not ray.is_initialized()
     if started:
-        ray.init(address=address, num_cpus=None if address else num_stages + 2, include_dashboard=False)
+        ray.init(
+            address=address, num_cpus=None if address else num_stages + 2, include_dashboard=False
+        )
     try:
-        return pipeline_fill(model_dir, num_stages=num_stages, chunk_counts=chunk_counts,
-                             chunk_tokens=chunk_tokens, device=device)  # fmt: skip
+        return pipeline_fill(
+            model_dir,
+            num_stages=num_stages,
+            chunk_counts=chunk_counts,
+            chunk_tokens=chunk_tokens,
+            device=device,
+        )
     finally:
         if started:
             ray.shutdown()

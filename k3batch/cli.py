@@ -12,7 +12,12 @@ def main():
 
 
 @main.command("init-checkpoint")
-@click.option("--flavor", default="k3-debug", show_default=True, help="Named config (k3-debug, k3-slice, kimi-linear-debug, ...).")
+@click.option(
+    "--flavor",
+    default="k3-debug",
+    show_default=True,
+    help="Named config (k3-debug, k3-slice, kimi-linear-debug, ...).",
+)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.argument("out", type=click.Path(file_okay=False))
 def init_checkpoint_cmd(flavor, seed, out):
@@ -28,8 +33,14 @@ def init_checkpoint_cmd(flavor, seed, out):
 
 @main.command()
 @click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False))
-@click.option("--prompt", "prompts", multiple=True, required=True, help="Repeat for several prompts.")
-@click.option("--chat/--no-chat", default=False, help="Wrap each prompt as a user message in the chat template.")
+@click.option(
+    "--prompt", "prompts", multiple=True, required=True, help="Repeat for several prompts."
+)
+@click.option(
+    "--chat/--no-chat",
+    default=False,
+    help="Wrap each prompt as a user message in the chat template.",
+)
 @click.option("--max-new-tokens", default=32, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float)
 @click.option("--top-p", default=1.0, show_default=True, type=float)
@@ -37,16 +48,22 @@ def init_checkpoint_cmd(flavor, seed, out):
 @click.option("--seed", default=None, type=int)
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
-def generate(model_dir, prompts, chat, max_new_tokens, temperature, top_p, top_k, seed, ignore_eos, device):
+def generate(
+    model_dir, prompts, chat, max_new_tokens, temperature, top_p, top_k, seed, ignore_eos, device
+):
     """Generate from PROMPTs on one device and print the completions."""
     from k3batch.engine.request import SamplingParams
     from k3batch.generate import generate_text
 
     try:
         sampling = SamplingParams(
-            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
-        ).validate()  # fmt: skip
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            max_new_tokens=max_new_tokens,
+            ignore_eos=ignore_eos,
+        ).validate()
         outputs = generate_text(model_dir, list(prompts), sampling, chat=chat, device=device)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
@@ -85,8 +102,10 @@ def _run_options(fn):
     for flag, field, typ, help_ in reversed(_RUN_FLAGS):
         dest = field.replace(".", "__")
         fn = click.option(flag, dest, type=typ, default=None, help=help_)(fn)
-    for flag, field in (("--logprobs/--no-logprobs", "output__logprobs"),
-                        ("--ignore-eos/--no-ignore-eos", "sampling__ignore_eos")):  # fmt: skip
+    for flag, field in (
+        ("--logprobs/--no-logprobs", "output__logprobs"),
+        ("--ignore-eos/--no-ignore-eos", "sampling__ignore_eos"),
+    ):
         fn = click.option(flag, field, default=None)(fn)
     return fn
 
@@ -119,8 +138,12 @@ def bench():
 @bench.command("pipeline")
 @click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False))
 @click.option("--stages", default=8, show_default=True, type=int)
-@click.option("--chunks", default="1,2,3,4,5,6,8,12,16,24,32", show_default=True,
-              help="Comma-separated chunk counts.")
+@click.option(
+    "--chunks",
+    default="1,2,3,4,5,6,8,12,16,24,32",
+    show_default=True,
+    help="Comma-separated chunk counts.",
+)
 @click.option("--chunk-tokens", default=64, show_default=True, type=int)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--address", default=None, help="Ray cluster; default: a local Ray.")
@@ -132,13 +155,22 @@ def bench_pipeline(model_dir, stages, chunks, chunk_tokens, device, address, jso
     from k3batch.bench import format_fill_table, run_pipeline_bench
 
     counts = [int(c) for c in chunks.split(",")]
-    rows = run_pipeline_bench(model_dir, num_stages=stages, chunk_counts=counts,
-                              chunk_tokens=chunk_tokens, device=device, address=address)  # fmt: skip
+    rows = run_pipeline_bench(
+        model_dir,
+        num_stages=stages,
+        chunk_counts=counts,
+        chunk_tokens=chunk_tokens,
+        device=device,
+        address=address,
+    )
     click.echo(format_fill_table(rows, stages))
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"stages": stages, "chunk_tokens": chunk_tokens, "device": device,
-                       "rows": rows}, f, indent=1)  # fmt: skip
+            json.dump(
+                {"stages": stages, "chunk_tokens": chunk_tokens, "device": device, "rows": rows},
+                f,
+                indent=1,
+            )
 
 
 register_job_commands(main)

@@ -77,9 +77,21 @@ def _json_dict(value: str | None, flag: str) -> dict | None:
     default=None,
     help="Run this shell command instead of `k3batch run JOB` (then omit JOB).",
 )
-def submit(job, extra_args, address, token, working_dir, runtime_env_json, entrypoint_num_gpus,
-           entrypoint_num_cpus, entrypoint_resources_json, submission_id, wait, no_check,
-           entrypoint_override):  # fmt: skip
+def submit(
+    job,
+    extra_args,
+    address,
+    token,
+    working_dir,
+    runtime_env_json,
+    entrypoint_num_gpus,
+    entrypoint_num_cpus,
+    entrypoint_resources_json,
+    submission_id,
+    wait,
+    no_check,
+    entrypoint_override,
+):
     """Submit `k3batch run JOB` to a Ray cluster; print the submission id.
 
     Arguments after `--` go to `k3batch run`: k3batch submit job.toml -- --model /ckpt
@@ -92,12 +104,19 @@ def submit(job, extra_args, address, token, working_dir, runtime_env_json, entry
     resources = _json_dict(entrypoint_resources_json, "--entrypoint-resources-json")
     with _user_errors():
         submission_id = submit_job(
-            job, address=address, extra_args=extra_args, working_dir=working_dir,
-            runtime_env=runtime_env, entrypoint_num_gpus=entrypoint_num_gpus,
-            entrypoint_num_cpus=entrypoint_num_cpus, entrypoint_resources=resources,
-            submission_id=submission_id, token=token, check_spec=not no_check,
+            job,
+            address=address,
+            extra_args=extra_args,
+            working_dir=working_dir,
+            runtime_env=runtime_env,
+            entrypoint_num_gpus=entrypoint_num_gpus,
+            entrypoint_num_cpus=entrypoint_num_cpus,
+            entrypoint_resources=resources,
+            submission_id=submission_id,
+            token=token,
+            check_spec=not no_check,
             entrypoint_override=entrypoint_override,
-        )  # fmt: skip
+        )
     click.echo(submission_id)
     if not wait:
         return

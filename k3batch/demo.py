@@ -15,10 +15,15 @@ from k3batch.jobspec import load_job_spec
 from k3batch.model.weights import init_checkpoint
 
 PROMPTS = [
-    "Hello, K3.", "Write a haiku about linear attention.", "What is 2 + 2?",
-    "Summarize the plot of Hamlet in one sentence.", "Translate 'good morning' to French.",
-    "List three prime numbers.", None, "",  # two bad rows: they get an error, the job goes on
-]  # fmt: skip
+    "Hello, K3.",
+    "Write a haiku about linear attention.",
+    "What is 2 + 2?",
+    "Summarize the plot of Hamlet in one sentence.",
+    "Translate 'good morning' to French.",
+    "List three prime numbers.",
+    None,
+    "",  # two bad rows: they get an error, the job goes on
+]
 
 
 def main(job_file: str = "jobs/debug_cpu.toml") -> int:

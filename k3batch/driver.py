@@ -68,15 +68,21 @@ def run_job(spec: JobSpec, *, progress_stream=None) -> JobReport:
     fs, files = resolve_input(spec.input.path)
     schema = _check_schema(fs, files, spec)
     fingerprint, desc = spec.fingerprint()
-    manifest, files = open_manifest(sink, fingerprint=fingerprint, description=desc, files=files,
-                                    batch_rows=spec.input.batch_rows)  # fmt: skip
+    manifest, files = open_manifest(
+        sink,
+        fingerprint=fingerprint,
+        description=desc,
+        files=files,
+        batch_rows=spec.input.batch_rows,
+    )
     batch_rows = manifest.batch_rows
     counts = count_rows(fs, files)
     if all(c == 0 for c in counts):
         raise ValueError(f"input {spec.input.path!r} holds no rows")
     done = sink.committed()
-    report = JobReport(job=spec.name, output=spec.output.path,
-                       rows_total=None if None in counts else sum(counts))  # fmt: skip
+    report = JobReport(
+        job=spec.name, output=spec.output.path, rows_total=None if None in counts else sum(counts)
+    )
     report.rows_skipped_resumed = sum(
         min(batch_rows, counts[f] - b * batch_rows) for f, b in done if counts[f] is not None
     )
@@ -86,8 +92,11 @@ def run_job(spec: JobSpec, *, progress_stream=None) -> JobReport:
     started_ray = not ray.is_initialized()
     if started_ray:
         local_cpus = spec.replicas.num_replicas * (spec.replicas.pp + 1) + 2  # logical
-        ray.init(address=spec.address, num_cpus=None if spec.address else local_cpus,
-                 include_dashboard=False)  # fmt: skip
+        ray.init(
+            address=spec.address,
+            num_cpus=None if spec.address else local_cpus,
+            include_dashboard=False,
+        )
     replicas, groups = [], []
     try:
         device = spec.replicas.device
@@ -96,8 +105,16 @@ def run_job(spec: JobSpec, *, progress_stream=None) -> JobReport:
         replicas, groups = _start_replicas(spec, device)
         report.stage_s["startup"] = time.monotonic() - t_start
         units = iter_units(fs, files, batch_rows, skip=lambda f, b: (f, b) in done)
-        _Loop(spec, config, replicas, report, seen_ids, schema, sink,
-              Progress(report.rows_total, report.rows_skipped_resumed, progress_stream)).run(units)  # fmt: skip
+        _Loop(
+            spec,
+            config,
+            replicas,
+            report,
+            seen_ids,
+            schema,
+            sink,
+            Progress(report.rows_total, report.rows_skipped_resumed, progress_stream),
+        ).run(units)
         busy = ray.get([r.stats.remote() for r in replicas])
         report.stage_s["generate"] = max(s["busy_s"] for s in busy)
         report.rows_per_replica = [s["rows"] for s in busy]
@@ -160,13 +177,26 @@ def _start_replicas(spec: JobSpec, device: str):
     actor_cls = ray.remote(ReplicaActor)
     actors = [
         actor_cls.options(
-            num_cpus=1, num_gpus=gpus if r.pp == 1 else 0, max_restarts=r.max_retries,
-            max_task_retries=0, max_concurrency=64, name=f"{spec.name}/replica-{i}",
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-        ).remote(spec.model, spec.engine, device, pp=r.pp, placement_group=pg,
-                 gpus_per_stage=gpus / r.pp)
+            num_cpus=1,
+            num_gpus=gpus if r.pp == 1 else 0,
+            max_restarts=r.max_retries,
+            max_task_retries=0,
+            max_concurrency=64,
+            name=f"{spec.name}/replica-{i}",
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=0
+            ),
+        ).remote(
+            spec.model,
+            spec.engine,
+            device,
+            pp=r.pp,
+            pp_layers=r.pp_layers,
+            placement_group=pg,
+            gpus_per_stage=gpus / r.pp,
+        )
         for i, pg in enumerate(groups)
-    ]  # fmt: skip
+    ]
     ray.get([a.ready.remote() for a in actors])
     return actors, groups
 
@@ -186,8 +216,11 @@ class _Loop:
         r = spec.replicas
         self.micro = max(1, r.max_inflight_rows // 4)
         self.max_open = 1 + -(-r.num_replicas * r.max_inflight_rows // spec.input.batch_rows)
-        self.defaults = replace(spec.sampling, logprobs=spec.output.logprobs,
-                                prompt_logprobs=spec.output.prompt_logprobs)  # fmt: skip
+        self.defaults = replace(
+            spec.sampling,
+            logprobs=spec.output.logprobs,
+            prompt_logprobs=spec.output.prompt_logprobs,
+        )
         self.open: dict[tuple[int, int], _Unit] = {}
         self.tok_refs: dict = {}
         self.gen_refs: dict = {}
@@ -250,8 +283,13 @@ class _Loop:
             else:
                 self.seen_ids.add(rid)
         cols = [c for c in unit.table.schema.names if c != col or not self.add_id]
-        kw = dict(spec=self.spec.input, model_dir=self.spec.model, defaults=self.defaults,
-                  max_seq_len=self.spec.engine.max_seq_len, vocab_size=self.config.vocab_size)  # fmt: skip
+        kw = dict(
+            spec=self.spec.input,
+            model_dir=self.spec.model,
+            defaults=self.defaults,
+            max_seq_len=self.spec.engine.max_seq_len,
+            vocab_size=self.config.vocab_size,
+        )
         self.tok_refs[_tokenize.remote(unit.table.select(cols), **kw)] = key
         self._maybe_commit(key)
 
@@ -292,12 +330,16 @@ class _Loop:
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
             self._mark_failed(r, e)
             if attempt < self.spec.replicas.max_retries:
-                log.warning("replica %d failed (%s); retrying %d rows", r, type(e).__name__, len(rows))
+                log.warning(
+                    "replica %d failed (%s); retrying %d rows", r, type(e).__name__, len(rows)
+                )
                 self.report.rows_retried += len(rows)
                 self.queue.appendleft((key, rows, attempt + 1))
             else:
                 for i, _ in rows:
-                    self._finish_row(self.open[key], i, _error_row(f"replica failed {attempt + 1} times: {e}"))
+                    self._finish_row(
+                        self.open[key], i, _error_row(f"replica failed {attempt + 1} times: {e}")
+                    )
                 self._maybe_commit(key)
             return
         state = self.open[key]
@@ -369,5 +411,11 @@ class _Loop:
 
 
 def _error_row(message: str) -> dict:
-    return {"generated_text": None, "output_token_ids": None, "finish_reason": "error",
-            "num_prompt_tokens": None, "num_output_tokens": 0, "error": message}  # fmt: skip
+    return {
+        "generated_text": None,
+        "output_token_ids": None,
+        "finish_reason": "error",
+        "num_prompt_tokens": None,
+        "num_output_tokens": 0,
+        "error": message,
+    }

@@ -17,9 +17,17 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.float32 if device == "cpu" else torch.bfloat16
 
 
-def build_engine(model_dir: str, engine_config: EngineConfig, *, device: str | None = None,
-                 dtype: torch.dtype | None = None, pp: int = 1, placement_group=None,
-                 gpus_per_stage: float = 0) -> tuple[Engine, Tokenizer]:  # fmt: skip
+def build_engine(
+    model_dir: str,
+    engine_config: EngineConfig,
+    *,
+    device: str | None = None,
+    dtype: torch.dtype | None = None,
+    pp: int = 1,
+    pp_layers=None,
+    placement_group=None,
+    gpus_per_stage: float = 0,
+) -> tuple[Engine, Tokenizer]:
     """An engine on this device (pp = 1), or over a pipeline of pp stage actors (Ray), whose
     stages go in bundles 1..pp of `placement_group` when one is given."""
     device = device or default_device()
@@ -36,17 +44,32 @@ def build_engine(model_dir: str, engine_config: EngineConfig, *, device: str | N
 
         model = None
         runner = PipelineRunner(
-            model_dir, num_stages=pp, num_slots=engine_config.max_num_seqs,
-            max_seq_len=engine_config.max_seq_len, device=device, dtype=dtype,
-            placement_group=placement_group, first_bundle=1, num_gpus_per_stage=gpus_per_stage,
-        )  # fmt: skip
-    engine = Engine(model, engine_config, runner=runner, eos_token_ids=tuple(tokenizer.stop_token_ids) or None)
+            model_dir,
+            num_stages=pp,
+            num_slots=engine_config.max_num_seqs,
+            max_seq_len=engine_config.max_seq_len,
+            device=device,
+            dtype=dtype,
+            stage_sizes=list(pp_layers) if pp_layers else None,
+            placement_group=placement_group,
+            first_bundle=1,
+            num_gpus_per_stage=gpus_per_stage,
+        )
+    engine = Engine(
+        model, engine_config, runner=runner, eos_token_ids=tuple(tokenizer.stop_token_ids) or None
+    )
     return engine, tokenizer
 
 
-def generate_text(model_dir: str, prompts: list[str], sampling: SamplingParams, *, chat: bool,
-                  engine_config: EngineConfig = EngineConfig(),
-                  device: str | None = None) -> list[tuple[str, GenerationResult]]:  # fmt: skip
+def generate_text(
+    model_dir: str,
+    prompts: list[str],
+    sampling: SamplingParams,
+    *,
+    chat: bool,
+    engine_config: EngineConfig = EngineConfig(),
+    device: str | None = None,
+) -> list[tuple[str, GenerationResult]]:
     engine, tok = build_engine(model_dir, engine_config, device=device)
     if chat:
         ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]

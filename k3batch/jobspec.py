@@ -8,7 +8,8 @@ loaded and raises `ValueError` naming the field. Example: `jobs/debug_cpu.toml`.
     [input]   path, batch_rows, id_column, prompt_column, messages_column, token_ids_column
     [output]  path, logprobs, prompt_logprobs
     [sampling] temperature, top_p, top_k, seed, max_new_tokens, stop_token_ids, ignore_eos
-    [replicas] num_replicas, pp, tp, dcp, device, num_gpus, accelerator_type, max_inflight_rows
+    [replicas] num_replicas, pp, pp_layers, tp, dcp, device, num_gpus, accelerator_type,
+               max_inflight_rows, max_retries
     [engine]  max_num_seqs, max_seq_len, chunk_size, max_batch_tokens
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 from k3batch.engine.engine import EngineConfig
 from k3batch.engine.request import SamplingParams
 from k3batch.model.config import K3Config
+from k3batch.parallel.pipeline import split_layers
 
 # Per-row sampling overrides: input columns with these names, when present, win over [sampling].
 ROW_SAMPLING_COLUMNS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
@@ -48,6 +50,7 @@ class OutputSpec:
 class ReplicaSpec:
     num_replicas: int = 1
     pp: int = 1  # pipeline-parallel prefill stages
+    pp_layers: tuple[int, ...] | None = None  # layers per stage; default: whole AttnRes blocks
     tp: int = 1  # tensor-parallel decode ranks
     dcp: int = 1  # decode context parallelism for the MLA latent
     device: str = "auto"  # "auto" (cuda if the cluster has GPUs), "cpu" or "cuda"
@@ -95,9 +98,11 @@ class JobSpec:
                 f"replicas: tp = {r.tp}, dcp = {r.dcp}: tensor-parallel decode groups are not "
                 "implemented yet (tp = dcp = 1)"
             )
-        layers = K3Config.from_hf(self.model).num_hidden_layers
-        if r.pp > layers:
-            raise ValueError(f"replicas.pp = {r.pp} > {layers} layers")
+        cfg = K3Config.from_hf(self.model)
+        _prefixed(
+            "replicas",
+            lambda: split_layers(cfg.num_hidden_layers, r.pp, cfg.attn_res_block_size, r.pp_layers),
+        )
         return self
 
     def fingerprint(self) -> tuple[str, dict]:
@@ -106,7 +111,10 @@ class JobSpec:
         desc = {
             "model": str(Path(self.model).resolve()),
             "input": dataclasses.asdict(self.input) | {"batch_rows": None},
-            "output": {"logprobs": self.output.logprobs, "prompt_logprobs": self.output.prompt_logprobs},
+            "output": {
+                "logprobs": self.output.logprobs,
+                "prompt_logprobs": self.output.prompt_logprobs,
+            },
             "sampling": dataclasses.asdict(self.sampling),
             "max_seq_len": self.engine.max_seq_len,
         }
@@ -121,8 +129,13 @@ def _prefixed(section: str, check) -> None:
         raise ValueError(f"{section}.{e}") from None
 
 
-_SECTIONS = {"input": InputSpec, "output": OutputSpec, "sampling": SamplingParams,
-             "replicas": ReplicaSpec, "engine": EngineConfig}  # fmt: skip
+_SECTIONS = {
+    "input": InputSpec,
+    "output": OutputSpec,
+    "sampling": SamplingParams,
+    "replicas": ReplicaSpec,
+    "engine": EngineConfig,
+}
 
 
 def job_spec_from_dict(raw: dict, *, source: str = "job spec") -> JobSpec:
@@ -139,9 +152,12 @@ def job_spec_from_dict(raw: dict, *, source: str = "job spec") -> JobSpec:
             known = {f.name for f in dataclasses.fields(cls)}
             for k in value:
                 if k not in known:
-                    raise ValueError(f"{source}: unknown field {key}.{k}; known: {', '.join(sorted(known))}")
-            if "stop_token_ids" in value:
-                value = value | {"stop_token_ids": tuple(value["stop_token_ids"])}
+                    raise ValueError(
+                        f"{source}: unknown field {key}.{k}; known: {', '.join(sorted(known))}"
+                    )
+            for name in ("stop_token_ids", "pp_layers"):
+                if value.get(name) is not None:
+                    value = value | {name: tuple(value[name])}
             kw[key] = cls(**value)
         else:
             kw[key] = value

@@ -41,12 +41,21 @@ def _tokenizer(model_dir: str) -> Tokenizer:
     return Tokenizer.from_dir(model_dir)  # cached per worker process: loading a BPE takes seconds
 
 
-def prepare_rows(table: pa.Table, *, spec: InputSpec, model_dir: str, defaults: SamplingParams,
-                 max_seq_len: int, vocab_size: int) -> list[RowWork]:  # fmt: skip
+def prepare_rows(
+    table: pa.Table,
+    *,
+    spec: InputSpec,
+    model_dir: str,
+    defaults: SamplingParams,
+    max_seq_len: int,
+    vocab_size: int,
+) -> list[RowWork]:
     tok = _tokenizer(model_dir)
     source = prompt_source(table.schema, spec)
     prompts = table.column(source).to_pylist()
-    overrides = {c: table.column(c).to_pylist() for c in ROW_SAMPLING_COLUMNS if c in table.schema.names}
+    overrides = {
+        c: table.column(c).to_pylist() for c in ROW_SAMPLING_COLUMNS if c in table.schema.names
+    }
     out = []
     for i, value in enumerate(prompts):
         try:
@@ -57,12 +66,22 @@ def prepare_rows(table: pa.Table, *, spec: InputSpec, model_dir: str, defaults: 
             if bad is not None:
                 raise ValueError(f"token id {bad} outside the vocabulary [0, {vocab_size})")
             if len(ids) >= max_seq_len:
-                raise ValueError(f"prompt of {len(ids)} tokens exceeds the context limit (max_seq_len = {max_seq_len})")
+                raise ValueError(
+                    f"prompt of {len(ids)} tokens exceeds the context limit "
+                    f"(max_seq_len = {max_seq_len})"
+                )
             row = {c: v[i] for c, v in overrides.items() if v[i] is not None}
             sampling = dataclasses.replace(defaults, **row).validate() if row else defaults
             out.append(RowWork(i, ids, sampling))
         except (ValueError, TypeError) as e:
-            out.append(RowWork(i, None, None, f"{type(e).__name__}: {e}" if isinstance(e, TypeError) else str(e)))
+            out.append(
+                RowWork(
+                    i,
+                    None,
+                    None,
+                    f"{type(e).__name__}: {e}" if isinstance(e, TypeError) else str(e),
+                )
+            )
     return out
 
 

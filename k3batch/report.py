@@ -28,8 +28,15 @@ class JobReport:
     peak_open_units: int = 0  # units held in driver memory at once (bounded by design)
     peak_inflight_rows: int = 0  # rows dispatched to one replica and not yet returned
     pipeline: list[dict] = field(default_factory=list)  # per replica with pp > 1: busy, bubble
-    stage_s: dict[str, float] = field(default_factory=lambda: {
-        "startup": 0.0, "read": 0.0, "tokenize": 0.0, "generate": 0.0, "write": 0.0})  # fmt: skip
+    stage_s: dict[str, float] = field(
+        default_factory=lambda: {
+            "startup": 0.0,
+            "read": 0.0,
+            "tokenize": 0.0,
+            "generate": 0.0,
+            "write": 0.0,
+        }
+    )
     wall_s: float = 0.0
 
     @property
@@ -48,8 +55,8 @@ class JobReport:
 
     def summary(self) -> str:
         lines = [
-            f"job {self.job}: {self.rows_written} rows written ({self.rows_with_error} with errors), "
-            f"{self.rows_skipped_resumed} already done",
+            f"job {self.job}: {self.rows_written} rows written "
+            f"({self.rows_with_error} with errors), {self.rows_skipped_resumed} already done",
             f"tokens: {self.prompt_tokens} prompt, {self.output_tokens} output; "
             f"{self.rows_per_s:.2f} rows/s, {self.output_tokens_per_s:.1f} output tokens/s "
             f"over {self.wall_s:.1f} s",
@@ -59,7 +66,9 @@ class JobReport:
             busy = " ".join(f"{b:.0%}" for b in p["busy"])
             lines.append(f"replica {i} pipeline: stage busy {busy}; bubble {p['bubble']:.0%}")
         if self.replica_failures:
-            lines.append(f"replica failures: {self.replica_failures}, rows retried: {self.rows_retried}")
+            lines.append(
+                f"replica failures: {self.replica_failures}, rows retried: {self.rows_retried}"
+            )
         if self.unreadable_inputs:
             lines.append("UNREADABLE input (rows not processed; fix and rerun to resume):")
             lines += [f"  {e}" for e in self.unreadable_inputs]

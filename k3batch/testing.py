@@ -40,8 +40,13 @@ def assert_close(name: str, ref, out, *, rel_rms: float, max_abs: float | None =
     else:
         rel = 0.0 if err_rms == 0 else math.inf
     mx = diff.abs().max().item() if diff.numel() else 0.0
-    metrics = {"name": name, "rel_rms": rel, "max_abs": mx, "rel_rms_tol": rel_rms,
-               "max_abs_tol": max_abs}  # fmt: skip
+    metrics = {
+        "name": name,
+        "rel_rms": rel,
+        "max_abs": mx,
+        "rel_rms_tol": rel_rms,
+        "max_abs_tol": max_abs,
+    }
     log.info("%s: rel_rms %.3e (tol %.1e), max_abs %.3e (tol %s)", name, rel, rel_rms, mx, max_abs)
     if rel > rel_rms or (max_abs is not None and mx > max_abs):
         err = AssertionError(
@@ -75,8 +80,16 @@ class MetricsTable:
     the numbers it measured.
     """
 
-    COLUMNS = ("ok", "rel_rms", "rel_rms_tol", "max_abs", "kl_mean", "kl_max", "top1",
-               "route_agree")  # fmt: skip
+    COLUMNS = (
+        "ok",
+        "rel_rms",
+        "rel_rms_tol",
+        "max_abs",
+        "kl_mean",
+        "kl_max",
+        "top1",
+        "route_agree",
+    )
 
     def __init__(self, section: str, json_path: str | Path | None = None):
         self.section = section

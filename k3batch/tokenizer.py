@@ -24,16 +24,18 @@ import jinja2.sandbox
 _UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"  # cased letters, Han excluded
 _LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
 _SUFFIX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-KIMI_PAT_STR = "|".join([
-    r"[\p{Han}]+",
-    r"[^\r\n\p{L}\p{N}]?" + _UPPER + "*" + _LOWER + "+" + _SUFFIX,
-    r"[^\r\n\p{L}\p{N}]?" + _UPPER + "+" + _LOWER + "*" + _SUFFIX,
-    r"\p{N}{1,3}",
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
-    r"\s*[\r\n]+",
-    r"\s+(?!\S)",
-    r"\s+",
-])
+KIMI_PAT_STR = "|".join(
+    [
+        r"[\p{Han}]+",
+        r"[^\r\n\p{L}\p{N}]?" + _UPPER + "*" + _LOWER + "+" + _SUFFIX,
+        r"[^\r\n\p{L}\p{N}]?" + _UPPER + "+" + _LOWER + "*" + _SUFFIX,
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
 _TIKTOKEN_FILE = "tiktoken.model"
 _HF_FILE = "tokenizer.json"
 _CONFIG_FILE = "tokenizer_config.json"
@@ -84,8 +86,9 @@ class Tokenizer:
 
             backend = tokenizers.Tokenizer.from_file(str(path / _HF_FILE))
             backend.encode_special_tokens = True  # special-token text in input stays plain text
-            specials = {t.content: i for i, t in backend.get_added_tokens_decoder().items()
-                        if t.special}
+            specials = {
+                t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special
+            }
         else:
             raise ValueError(f"no tokenizer in {path}: looked for {_TIKTOKEN_FILE} and {_HF_FILE}")
         return cls(path, backend, specials, config)
@@ -122,7 +125,7 @@ class Tokenizer:
             return self.encode(text)
         ids, start = [], 0
         for match in self._special_re.finditer(text):
-            ids += self.encode(text[start:match.start()])
+            ids += self.encode(text[start : match.start()])
             ids.append(self.special_tokens[match.group()])
             start = match.end()
         return ids + self.encode(text[start:])
@@ -202,8 +205,9 @@ def _load_tiktoken(path: Path, config: dict):
     if len(specials) != top - num_base:
         raise ValueError(f"duplicate special-token contents in {path / _CONFIG_FILE}")
     name = f"k3batch:{path.name}"
-    return tiktoken.Encoding(name, pat_str=KIMI_PAT_STR, mergeable_ranks=ranks,
-                             special_tokens=specials), specials
+    return tiktoken.Encoding(
+        name, pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens=specials
+    ), specials
 
 
 def _token_text(token) -> str | None:
@@ -277,7 +281,7 @@ def _learn_merges(text: str, max_merges: int) -> list[bytes]:
             i = 0
             while i < len(parts) - 1:
                 if (parts[i], parts[i + 1]) == best:
-                    parts[i:i + 2] = [merges[-1]]
+                    parts[i : i + 2] = [merges[-1]]
                 i += 1
     return merges
 
@@ -310,9 +314,15 @@ def write_tiny_tokenizer(
     """
     b = bos_token_id
     layout = [
-        ("[BOS]", b), ("[EOS]", b + 1), ("<|im_end|>", eos_token_id), ("<|im_user|>", b + 3),
-        ("<|im_assistant|>", b + 4), ("<|im_system|>", b + 10), ("<|im_middle|>", b + 17),
-        ("[UNK]", pad_token_id - 1), ("[PAD]", pad_token_id),
+        ("[BOS]", b),
+        ("[EOS]", b + 1),
+        ("<|im_end|>", eos_token_id),
+        ("<|im_user|>", b + 3),
+        ("<|im_assistant|>", b + 4),
+        ("<|im_system|>", b + 10),
+        ("<|im_middle|>", b + 17),
+        ("[UNK]", pad_token_id - 1),
+        ("[PAD]", pad_token_id),
     ]
     named = {i: name for name, i in layout}
     if len(named) != len(layout) or not all(b <= i < vocab_size for i in named) or b < 256:
@@ -325,11 +335,18 @@ def write_tiny_tokenizer(
     lines = [f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(_regular_tokens(b))]
     (out_dir / _TIKTOKEN_FILE).write_text("".join(lines))
     flags = dict(lstrip=False, normalized=False, rstrip=False, single_word=False, special=True)
-    decoder = {str(i): {"content": named.get(i, f"<|reserved_token_{i}|>"), **flags}
-               for i in range(b, vocab_size)}
+    decoder = {
+        str(i): {"content": named.get(i, f"<|reserved_token_{i}|>"), **flags}
+        for i in range(b, vocab_size)
+    }
     config = {
-        "added_tokens_decoder": decoder, "bos_token": "[BOS]", "eos_token": "<|im_end|>",
-        "pad_token": "[PAD]", "unk_token": "[UNK]", "chat_template": _KIMI_CHAT_TEMPLATE,
-        "model_max_length": 1 << 20, "tokenizer_class": "TikTokenTokenizer",
+        "added_tokens_decoder": decoder,
+        "bos_token": "[BOS]",
+        "eos_token": "<|im_end|>",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "chat_template": _KIMI_CHAT_TEMPLATE,
+        "model_max_length": 1 << 20,
+        "tokenizer_class": "TikTokenTokenizer",
     }
     (out_dir / _CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")

@@ -113,11 +113,20 @@ def ray_head():
     }
     env.pop("RAY_ADDRESS", None)
     cmd = [
-        RAY, "start", "--head", "--block", "--num-cpus=12", "--include-dashboard=true",
-        "--disable-usage-stats", f"--temp-dir={temp_dir}", "--dashboard-host=127.0.0.1",
-        f"--port={gcs_port}", f"--dashboard-port={dashboard_port}",
-        f"--dashboard-agent-listen-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
-    ]  # fmt: skip
+        RAY,
+        "start",
+        "--head",
+        "--block",
+        "--num-cpus=12",
+        "--include-dashboard=true",
+        "--disable-usage-stats",
+        f"--temp-dir={temp_dir}",
+        "--dashboard-host=127.0.0.1",
+        f"--port={gcs_port}",
+        f"--dashboard-port={dashboard_port}",
+        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--ray-client-server-port={_free_port()}",
+    ]
     log_path = Path(temp_dir) / "ray_start.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -141,8 +150,9 @@ def _wait_for_dashboard(head: Head, proc: subprocess.Popen, log_path: Path) -> N
             return
         except ConnectionError:
             if time.monotonic() > deadline:
-                pytest.fail(f"dashboard not up after {STARTUP_TIMEOUT_S} s:\n"
-                            f"{log_path.read_text()[-3000:]}")  # fmt: skip
+                pytest.fail(
+                    f"dashboard not up after {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}"
+                )
             time.sleep(0.5)
 
 

@@ -1,6 +1,6 @@
-"""The batch job end to end on the shared local Ray head (12 logical CPUs, token auth) with a tiny k3-debug checkpoint:
-columns, every bad input of the job contract, resume after SIGKILL of the driver and after a
-replica death, two replicas on one stream, bounded memory."""
+"""The batch job end to end on the shared local Ray head (token auth) with a tiny k3-debug
+checkpoint: columns, every bad input of the job contract, resume after SIGKILL of the driver and
+after a replica death, two replicas on one stream, bounded memory, pp > 1, Ray Jobs."""
 
 import random
 import signal
@@ -16,8 +16,7 @@ import pytest
 import ray
 
 from k3batch.driver import run_job
-from k3batch.jobspec import (EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaSpec,
-                             load_job_spec)  # fmt: skip
+from k3batch.jobspec import EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaSpec, load_job_spec
 from k3batch.engine.request import SamplingParams
 from k3batch.model.weights import init_checkpoint
 
@@ -31,14 +30,19 @@ def model_dir(tmp_path_factory):
 
 def _spec(model_dir, inp, out, **kw) -> JobSpec:
     return JobSpec(
-        model=model_dir, name=kw.pop("name", "test"),
+        model=model_dir,
+        name=kw.pop("name", "test"),
         input=InputSpec(path=str(inp), batch_rows=kw.pop("batch_rows", 4)),
         output=OutputSpec(path=str(out), logprobs=kw.pop("logprobs", False)),
         sampling=SamplingParams(temperature=0, max_new_tokens=kw.pop("max_new_tokens", 4)),
-        replicas=ReplicaSpec(num_replicas=kw.pop("replicas", 1), device="cpu",
-                             max_inflight_rows=kw.pop("inflight", 8), pp=kw.pop("pp", 1)),
+        replicas=ReplicaSpec(
+            num_replicas=kw.pop("replicas", 1),
+            device="cpu",
+            max_inflight_rows=kw.pop("inflight", 8),
+            pp=kw.pop("pp", 1),
+        ),
         engine=EngineConfig(max_num_seqs=kw.pop("max_num_seqs", 8), max_seq_len=128, chunk_size=64),
-    )  # fmt: skip
+    )
 
 
 def _prompts(n, seed=0):
@@ -55,14 +59,16 @@ def test_text_job_columns_passthrough_and_row_errors(cluster, model_dir, tmp_pat
     good = _prompts(5)
     prompts = good + [None, "", "word " * 200]
     n = len(prompts)
-    table = pa.table({
-        "id": [f"r{i}" for i in range(n)],
-        "prompt": prompts,
-        "nested": pa.array([{"a": i, "b": [i, i]} for i in range(n)]),
-        "blob": pa.array([bytes([i, 0, 255]) for i in range(n)], pa.binary()),
-        "temperature": [None, 0.0, -1.0, None, None, None, None, None],
-        "max_new_tokens": [None, 2, None, 0, None, None, None, None],
-    })  # fmt: skip
+    table = pa.table(
+        {
+            "id": [f"r{i}" for i in range(n)],
+            "prompt": prompts,
+            "nested": pa.array([{"a": i, "b": [i, i]} for i in range(n)]),
+            "blob": pa.array([bytes([i, 0, 255]) for i in range(n)], pa.binary()),
+            "temperature": [None, 0.0, -1.0, None, None, None, None, None],
+            "max_new_tokens": [None, 2, None, 0, None, None, None, None],
+        }
+    )
     pq.write_table(table, tmp_path / "in.parquet")
     report = run_job(_spec(model_dir, tmp_path / "in.parquet", tmp_path / "out", logprobs=True))
     out = pq.read_table(tmp_path / "out")
@@ -86,13 +92,18 @@ def test_text_job_columns_passthrough_and_row_errors(cluster, model_dir, tmp_pat
 
 
 def test_messages_and_token_id_jobs(cluster, model_dir, tmp_path):
-    msgs = [[{"role": "user", "content": p}] for p in _prompts(3)] + [[{"role": "user", "content": None}]]
+    msgs = [[{"role": "user", "content": p}] for p in _prompts(3)] + [
+        [{"role": "user", "content": None}]
+    ]
     pq.write_table(pa.table({"messages": msgs}), tmp_path / "chat.parquet")
     run_job(_spec(model_dir, tmp_path / "chat.parquet", tmp_path / "out_chat", name="chat"))
     rows = pq.read_table(tmp_path / "out_chat").to_pylist()
     assert [r["error"] is None for r in rows] == [True, True, True, False]
     ids = [[5, 6, 7], [-1, 3], [3, 512], [], None, [1] * 200]
-    pq.write_table(pa.table({"prompt_token_ids": pa.array(ids, pa.list_(pa.int64()))}), tmp_path / "ids.parquet")
+    pq.write_table(
+        pa.table({"prompt_token_ids": pa.array(ids, pa.list_(pa.int64()))}),
+        tmp_path / "ids.parquet",
+    )
     run_job(_spec(model_dir, tmp_path / "ids.parquet", tmp_path / "out_ids", name="ids"))
     rows = pq.read_table(tmp_path / "out_ids").to_pylist()
     assert rows[0]["error"] is None and rows[0]["num_prompt_tokens"] == 3
@@ -127,18 +138,36 @@ def _write_in(t, table):
     "edit,match",
     [
         (lambda s, t: _write_in(t, pa.table({"text": ["x"]})) or s, "no prompt column"),
-        (lambda s, t: _write_in(t, pa.table({"prompt": pa.array([], pa.string())})) or s, "no rows"),
+        (
+            lambda s, t: _write_in(t, pa.table({"prompt": pa.array([], pa.string())})) or s,
+            "no rows",
+        ),
         (lambda s, t: _write_in(t, pa.table({"prompt": ["x"], "error": ["y"]})) or s, "clash"),
         (lambda s, t: (t / "out").write_text("a file") and s, "out"),
         (lambda s, t: replace(s, sampling=SamplingParams(top_p=1.5)), "sampling.top_p"),
         (lambda s, t: replace(s, sampling=SamplingParams(max_new_tokens=0)), "max_new_tokens"),
         (lambda s, t: replace(s, sampling=SamplingParams(temperature=-1)), "temperature"),
         (lambda s, t: replace(s, model=str(t)), "config.json"),
+        (lambda s, t: replace(s, replicas=ReplicaSpec(pp=94)), "pp = 94"),
+        (lambda s, t: replace(s, replicas=ReplicaSpec(pp=2, pp_layers=(40, 40))), "summing to 93"),
+        (lambda s, t: replace(s, replicas=ReplicaSpec(tp=2)), "tp = 2"),
         (lambda s, t: replace(s, input=InputSpec(path=str(t / "nothing*.parquet"))), "nothing"),
     ],
-    ids=["no-prompt-column", "empty-dataset", "column-clash", "output-not-writable", "top-p",
-         "max-new-tokens", "temperature", "no-model", "no-input-files"],
-)  # fmt: skip
+    ids=[
+        "no-prompt-column",
+        "empty-dataset",
+        "column-clash",
+        "output-not-writable",
+        "top-p",
+        "max-new-tokens",
+        "temperature",
+        "no-model",
+        "pp-too-large",
+        "pp-layers",
+        "tp",
+        "no-input-files",
+    ],
+)
 def test_bad_jobs_fail_before_any_replica_starts(model_dir, tmp_path, edit, match):
     _write_in(tmp_path, pa.table({"prompt": ["hi"]}))
     spec = edit(_spec(model_dir, tmp_path / "in.parquet", tmp_path / "out"), tmp_path)
@@ -156,11 +185,19 @@ def test_other_jobs_output_is_refused(cluster, model_dir, tmp_path):
 
 def test_two_replicas_share_the_stream_with_bounded_memory(cluster, model_dir, tmp_path):
     pq.write_table(pa.table({"prompt": _prompts(40, 3)}), tmp_path / "in.parquet", row_group_size=7)
-    spec = _spec(model_dir, tmp_path / "in.parquet", tmp_path / "out", replicas=2, inflight=4,
-                 batch_rows=4, max_new_tokens=2)  # fmt: skip
+    spec = _spec(
+        model_dir,
+        tmp_path / "in.parquet",
+        tmp_path / "out",
+        replicas=2,
+        inflight=4,
+        batch_rows=4,
+        max_new_tokens=2,
+    )
     report = run_job(spec)
     assert report.rows_written == 40 and sorted(_by_id(pq.read_table(tmp_path / "out"))) == sorted(
-        f"{tmp_path / 'in.parquet'}:{i}" for i in range(40))  # fmt: skip
+        f"{tmp_path / 'in.parquet'}:{i}" for i in range(40)
+    )
     assert all(n > 0 for n in report.rows_per_replica), report.rows_per_replica
     assert report.peak_inflight_rows <= 4
     assert report.peak_open_units <= 1 + 2 * 4 // 4  # far fewer than the 10 units of input
@@ -171,8 +208,17 @@ def test_two_replicas_share_the_stream_with_bounded_memory(cluster, model_dir, t
 # depends on its row count) and the random model has near-ties, so these runs decode one
 # sequence at a time (max_num_seqs = 1), which makes every row's arithmetic identical.
 def _reference(model_dir, inp, tmp_path):
-    run_job(_spec(model_dir, inp, tmp_path / "ref", name="ref", batch_rows=3, max_new_tokens=6,
-                  max_num_seqs=1))
+    run_job(
+        _spec(
+            model_dir,
+            inp,
+            tmp_path / "ref",
+            name="ref",
+            batch_rows=3,
+            max_new_tokens=6,
+            max_num_seqs=1,
+        )
+    )
     return {r["id"]: r["output_token_ids"] for r in pq.read_table(tmp_path / "ref").to_pylist()}
 
 
@@ -180,8 +226,17 @@ def test_replica_death_is_retried(cluster, model_dir, tmp_path):
     inp = tmp_path / "in.parquet"
     pq.write_table(pa.table({"id": [f"r{i}" for i in range(24)], "prompt": _prompts(24, 5)}), inp)
     ref = _reference(model_dir, inp, tmp_path)
-    spec = _spec(model_dir, inp, tmp_path / "out", name="killme", batch_rows=3, max_new_tokens=6,
-                 replicas=2, inflight=3, max_num_seqs=1)  # fmt: skip
+    spec = _spec(
+        model_dir,
+        inp,
+        tmp_path / "out",
+        name="killme",
+        batch_rows=3,
+        max_new_tokens=6,
+        replicas=2,
+        inflight=3,
+        max_num_seqs=1,
+    )
 
     def killer():
         deadline = time.monotonic() + 60
@@ -218,7 +273,7 @@ model = "{model_dir}"
 path = "{inp}"
 batch_rows = 3
 [output]
-path = "{tmp_path / 'out'}"
+path = "{tmp_path / "out"}"
 [sampling]
 temperature = 0.0
 max_new_tokens = 6
@@ -256,8 +311,9 @@ def test_job_submitted_through_ray_jobs_completes(cluster, model_dir, tmp_path):
         "replicas: {device: cpu}\nengine: {max_seq_len: 128}\n"
     )
     kw = {"address": cluster.address, "token": cluster.token}
-    sid = submit_job(str(tmp_path / "job.yaml"), working_dir=str(tmp_path), wait=True,
-                     timeout_s=240, **kw)  # fmt: skip
+    sid = submit_job(
+        str(tmp_path / "job.yaml"), working_dir=str(tmp_path), wait=True, timeout_s=240, **kw
+    )
     logs = "".join(job_logs(sid, **kw))
     assert job_status(sid, **kw) == "SUCCEEDED", logs[-3000:]
     assert "5 rows written" in logs
@@ -268,8 +324,18 @@ def test_pipeline_job_writes_the_same_tokens(cluster, model_dir, tmp_path):
     inp = tmp_path / "in.parquet"
     pq.write_table(pa.table({"id": [f"r{i}" for i in range(8)], "prompt": _prompts(8, 11)}), inp)
     ref = _reference(model_dir, inp, tmp_path)
-    report = run_job(_spec(model_dir, inp, tmp_path / "out", name="pp4", batch_rows=3,
-                           max_new_tokens=6, max_num_seqs=1, pp=4))  # fmt: skip
+    report = run_job(
+        _spec(
+            model_dir,
+            inp,
+            tmp_path / "out",
+            name="pp4",
+            batch_rows=3,
+            max_new_tokens=6,
+            max_num_seqs=1,
+            pp=4,
+        )
+    )
     rows = pq.read_table(tmp_path / "out").to_pylist()
     assert {r["id"]: r["output_token_ids"] for r in rows} == ref
     (pipe,) = report.pipeline

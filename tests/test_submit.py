@@ -46,9 +46,12 @@ def _cli() -> click.Group:
 def test_submit_job_runs_in_uploaded_working_dir(ray_head, tmp_path):
     (tmp_path / "marker.txt").write_text("uploaded")
     submission_id = submit_job(
-        None, address=ray_head.address, token=ray_head.token, working_dir=str(tmp_path),
+        None,
+        address=ray_head.address,
+        token=ray_head.token,
+        working_dir=str(tmp_path),
         entrypoint_override=_python_c("print('ok', open('marker.txt').read())"),
-    )  # fmt: skip
+    )
     status = wait_for_job(
         submission_id, address=ray_head.address, timeout_s=JOB_TIMEOUT_S, token=ray_head.token
     )
@@ -67,9 +70,13 @@ def test_submit_job_file_runs_k3batch_run_in_working_dir(ray_head, tmp_path):
     (tmp_path / "jobs" / "tiny.toml").write_text('model = "m"\n')
     kw = {"address": ray_head.address, "token": ray_head.token}
     submission_id = submit_job(
-        str(tmp_path / "jobs" / "tiny.toml"), working_dir=str(tmp_path),
-        extra_args=["--output", "/tmp/out dir"], wait=True, timeout_s=JOB_TIMEOUT_S, **kw,
-    )  # fmt: skip
+        str(tmp_path / "jobs" / "tiny.toml"),
+        working_dir=str(tmp_path),
+        extra_args=["--output", "/tmp/out dir"],
+        wait=True,
+        timeout_s=JOB_TIMEOUT_S,
+        **kw,
+    )
     logs = "".join(job_logs(submission_id, **kw))
     assert job_status(submission_id, **kw) == "SUCCEEDED", logs
     expected = ["run", "jobs/tiny.toml", "--address", "auto", "--output", "/tmp/out dir"]
@@ -91,8 +98,9 @@ def test_stop_job_stops_running_job(ray_head):
 
 def test_cli_submit_wait_streams_logs_and_status(ray_head):
     args = ["submit", "--address", ray_head.address, "--wait", "--entrypoint"]
-    ok = CliRunner().invoke(_cli(), [*args, _python_c("print('ok')")],
-                            env={"RAY_AUTH_TOKEN": ray_head.token})  # fmt: skip
+    ok = CliRunner().invoke(
+        _cli(), [*args, _python_c("print('ok')")], env={"RAY_AUTH_TOKEN": ray_head.token}
+    )
     assert ok.exit_code == 0, ok.output
     submission_id = ok.output.splitlines()[0]
     assert "ok\n" in ok.output
@@ -108,20 +116,33 @@ def test_cli_submit_wait_streams_logs_and_status(ray_head):
 def test_cli_without_token_reports_authentication(ray_head, tmp_path):
     # A fresh process: Ray caches the auth mode and token per process. HOME is empty, so no
     # ~/.ray/auth_token is found either.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")} | {"HOME": str(tmp_path)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")} | {
+        "HOME": str(tmp_path)
+    }
     result = subprocess.run(
-        [sys.executable, "-m", "k3batch.cli", "status", "raysubmit_none", "--address", ray_head.address],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "k3batch.cli",
+            "status",
+            "raysubmit_none",
+            "--address",
+            ray_head.address,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 1
     assert "Authentication required" in result.stdout + result.stderr
 
 
 def test_cli_status_of_unknown_job_fails(ray_head):
     result = CliRunner().invoke(
-        _cli(), ["status", "raysubmit_none", "--address", ray_head.address,
-                 "--token", ray_head.token],
-    )  # fmt: skip
+        _cli(),
+        ["status", "raysubmit_none", "--address", ray_head.address, "--token", ray_head.token],
+    )
     assert result.exit_code == 1
     assert "raysubmit_none" in result.output
 
@@ -178,9 +199,12 @@ def test_submit_job_uploads_cwd_and_names_job_relative(tmp_path, monkeypatch, fa
     (tmp_path / "jobs" / "big.toml").write_text("")
     monkeypatch.chdir(tmp_path)
     submission_id = submit_job(
-        "jobs/big.toml", address="http://h:8265", extra_args=["--output", "/out"],
-        runtime_env={"env_vars": {"HF_HOME": "/cache"}}, entrypoint_num_cpus=1,
-    )  # fmt: skip
+        "jobs/big.toml",
+        address="http://h:8265",
+        extra_args=["--output", "/out"],
+        runtime_env={"env_vars": {"HF_HOME": "/cache"}},
+        entrypoint_num_cpus=1,
+    )
     assert submission_id == "raysubmit_fake"
     kw = fake_client.kwargs
     assert kw["entrypoint"] == (

@@ -21,16 +21,18 @@ FLAVORS = {
 
 
 def test_tokenizer_pat_str_is_kimis():
-    kimi_pat_str = "|".join([
-        r"""[\p{Han}]+""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",  # noqa: E501
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",  # noqa: E501
-        r"""\p{N}{1,3}""",
-        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-        r"""\s*[\r\n]+""",
-        r"""\s+(?!\S)""",
-        r"""\s+""",
-    ])
+    kimi_pat_str = "|".join(
+        [
+            r"""[\p{Han}]+""",
+            r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",  # noqa: E501
+            r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",  # noqa: E501
+            r"""\p{N}{1,3}""",
+            r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+            r"""\s*[\r\n]+""",
+            r"""\s+(?!\S)""",
+            r"""\s+""",
+        ]
+    )
     assert KIMI_PAT_STR == kimi_pat_str
 
 
@@ -55,10 +57,18 @@ def test_tokenizer_special_ids(kimi):
     bos, eos, pad = flavor["bos_token_id"], flavor["eos_token_id"], flavor["pad_token_id"]
     assert tok.vocab_size == flavor["vocab_size"]
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (bos, eos, pad)
-    expected = {"[BOS]": bos, "[EOS]": bos + 1, "<|im_end|>": eos, "<|im_user|>": bos + 3,
-                "<|im_assistant|>": bos + 4, "<|im_system|>": bos + 10,
-                "<|im_middle|>": bos + 17, "[UNK]": pad - 1, "[PAD]": pad,
-                f"<|reserved_token_{bos + 5}|>": bos + 5}
+    expected = {
+        "[BOS]": bos,
+        "[EOS]": bos + 1,
+        "<|im_end|>": eos,
+        "<|im_user|>": bos + 3,
+        "<|im_assistant|>": bos + 4,
+        "<|im_system|>": bos + 10,
+        "<|im_middle|>": bos + 17,
+        "[UNK]": pad - 1,
+        "[PAD]": pad,
+        f"<|reserved_token_{bos + 5}|>": bos + 5,
+    }
     assert {k: tok.special_tokens[k] for k in expected} == expected
     assert len(tok.special_tokens) == flavor["vocab_size"] - bos
     assert tok.stop_token_ids == (eos, bos + 1)
@@ -93,9 +103,19 @@ def test_tokenizer_chat_template_ids(kimi):
         {"role": "assistant", "content": "Hello! 你好"},
     ]
     expected = (
-        [im_user] + tok.encode("user") + [im_middle] + tok.encode("Hi <|im_end|> there") + [im_end]
-        + [im_assistant] + tok.encode("assistant") + [im_middle] + tok.encode("Hello! 你好")
-        + [im_end] + [im_assistant] + tok.encode("assistant") + [im_middle]
+        [im_user]
+        + tok.encode("user")
+        + [im_middle]
+        + tok.encode("Hi <|im_end|> there")
+        + [im_end]
+        + [im_assistant]
+        + tok.encode("assistant")
+        + [im_middle]
+        + tok.encode("Hello! 你好")
+        + [im_end]
+        + [im_assistant]
+        + tok.encode("assistant")
+        + [im_middle]
     )
     assert tok.apply_chat_template(messages) == expected
     without_prompt = tok.apply_chat_template(messages, add_generation_prompt=False)
@@ -106,10 +126,18 @@ def test_tokenizer_chat_template_ids(kimi):
     )
 
 
-@pytest.mark.parametrize("messages", [
-    "hi", [], [["user", "hi"]], [{"role": "user"}], [{"role": "user", "content": 3}],
-    [{"role": None, "content": "hi"}], [{"role": "robot", "content": "hi"}],
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        "hi",
+        [],
+        [["user", "hi"]],
+        [{"role": "user"}],
+        [{"role": "user", "content": 3}],
+        [{"role": None, "content": "hi"}],
+        [{"role": "robot", "content": "hi"}],
+    ],
+)
 def test_tokenizer_bad_messages_raise(kimi, messages):
     tok, _ = kimi
     with pytest.raises(ValueError):
@@ -142,8 +170,9 @@ def test_tokenizer_missing_files_names_dir(tmp_path):
 
 def test_tokenizer_bad_special_layout_raises(tmp_path):
     with pytest.raises(ValueError, match="special ids"):
-        write_tiny_tokenizer(tmp_path, vocab_size=512, bos_token_id=256, eos_token_id=257,
-                             pad_token_id=511)
+        write_tiny_tokenizer(
+            tmp_path, vocab_size=512, bos_token_id=256, eos_token_id=257, pad_token_id=511
+        )
 
 
 @pytest.fixture(scope="module")
@@ -155,18 +184,27 @@ def hf_dir(tmp_path_factory):
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<s>", "</s>", "<|im_end|>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=400,
+        special_tokens=["<s>", "</s>", "<|im_end|>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
-    sentences = ["the quick brown fox jumps over the lazy dog", "hello world, hello tokens",
-                 "batch inference engines turn prompts into tokens"] * 10
+    sentences = [
+        "the quick brown fox jumps over the lazy dog",
+        "hello world, hello tokens",
+        "batch inference engines turn prompts into tokens",
+    ] * 10
     hf.train_from_iterator(sentences, trainer=trainer)
     out_dir = tmp_path_factory.mktemp("hf")
     hf.save(str(out_dir / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
-              "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}"
-                               "<|im_end|>{% endfor %}{% if add_generation_prompt %}<s>assistant: "
-                               "{% endif %}"}
+    config = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}"
+        "<|im_end|>{% endfor %}{% if add_generation_prompt %}<s>assistant: "
+        "{% endif %}",
+    }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config))
     return out_dir
 
@@ -181,8 +219,9 @@ def test_tokenizer_hf_json_dir(hf_dir):
     assert ids[0] == 0 and 2 not in ids
     assert tok.decode(ids, skip_special_tokens=False) == "<s>hi <|im_end|>"
     chat = tok.apply_chat_template([{"role": "user", "content": "x </s>"}])
-    assert chat == ([0] + tok.encode("user: ") + tok.encode("x </s>") + [2, 0]
-                    + tok.encode("assistant: "))
+    assert chat == (
+        [0] + tok.encode("user: ") + tok.encode("x </s>") + [2, 0] + tok.encode("assistant: ")
+    )
     clone = pickle.loads(pickle.dumps(tok))
     assert clone.encode(TEXTS[2]) == tok.encode(TEXTS[2])
 

@@ -17,30 +17,58 @@ from k3batch.parallel.pipeline import split_layers
 
 
 class PipelineRunner:
-    def __init__(self, model_dir: str, *, num_stages: int, num_slots: int, max_seq_len: int,
-                 device: str, dtype: torch.dtype, stage_sizes: list[int] | None = None,
-                 placement_group=None, first_bundle: int = 0, num_gpus_per_stage: float = 0):  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        num_stages: int,
+        num_slots: int,
+        max_seq_len: int,
+        device: str,
+        dtype: torch.dtype,
+        stage_sizes: list[int] | None = None,
+        placement_group=None,
+        first_bundle: int = 0,
+        num_gpus_per_stage: float = 0,
+    ):
         self.config = K3Config.from_hf(model_dir)
         self.depth = num_stages
-        self.layer_ranges = split_layers(self.config.num_hidden_layers, num_stages,
-                                         self.config.attn_res_block_size, stage_sizes)  # fmt: skip
+        self.layer_ranges = split_layers(
+            self.config.num_hidden_layers, num_stages, self.config.attn_res_block_size, stage_sizes
+        )
         cls = ray.remote(PrefillStageActor)
         self.stages = []
         for rank, rng in enumerate(self.layer_ranges):
             opts = {"num_cpus": 1 if device == "cpu" else 0.1, "num_gpus": num_gpus_per_stage}
             if placement_group is not None:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group, placement_group_bundle_index=first_bundle + rank)
-            self.stages.append(cls.options(**opts).remote(
-                model_dir, rng, rank=rank, num_stages=num_stages, num_slots=num_slots,
-                max_seq_len=max_seq_len, device=device, dtype=dtype))  # fmt: skip
+                    placement_group, placement_group_bundle_index=first_bundle + rank
+                )
+            self.stages.append(
+                cls.options(**opts).remote(
+                    model_dir,
+                    rng,
+                    rank=rank,
+                    num_stages=num_stages,
+                    num_slots=num_slots,
+                    max_seq_len=max_seq_len,
+                    device=device,
+                    dtype=dtype,
+                )
+            )
         host, port = ray.get(self.stages[0].endpoint.remote())
         ray.get([s.init_group.remote(host, port) for s in self.stages])
 
     def submit(self, ids: list[int], batch: ForwardBatch, all_logits: bool):
-        meta = {"seq_lens": batch.seq_lens, "cached_lens": batch.cached_lens, "slot_ids": batch.slot_ids}
-        return [s.forward.remote(ids if r == 0 else None, meta, all_logits)
-                for r, s in enumerate(self.stages)]  # fmt: skip
+        meta = {
+            "seq_lens": batch.seq_lens,
+            "cached_lens": batch.cached_lens,
+            "slot_ids": batch.slot_ids,
+        }
+        return [
+            s.forward.remote(ids if r == 0 else None, meta, all_logits)
+            for r, s in enumerate(self.stages)
+        ]
 
     def wait(self, refs):
         return ray.get(refs)[-1]  # ray.get on every stage: a failing stage raises here

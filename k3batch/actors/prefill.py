@@ -22,17 +22,39 @@ from k3batch.parallel.pipeline import bank_size, pack_stream, unpack_stream
 
 
 class PrefillStageActor:
-    def __init__(self, model_dir: str, layer_range: tuple[int, int], *, rank: int, num_stages: int,
-                 num_slots: int, max_seq_len: int, device: str, dtype: torch.dtype):  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str,
+        layer_range: tuple[int, int],
+        *,
+        rank: int,
+        num_stages: int,
+        num_slots: int,
+        max_seq_len: int,
+        device: str,
+        dtype: torch.dtype,
+    ):
         if device == "cpu":
             torch.set_num_threads(1)  # tiny CPU models: see generate.build_engine
         self.rank, self.num_stages = rank, num_stages
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if device == "cuda"
+            else torch.device("cpu")
+        )
         self.model = load_model(model_dir, dtype=dtype, device=self.device, layer_range=layer_range)
         self.config, self.dtype = self.model.config, dtype
-        self.cache = StateCache(self.config, range(*layer_range), num_slots=num_slots,
-                                max_seq_len=max_seq_len, device=self.device, dtype=dtype)  # fmt: skip
-        self.busy: list[tuple[float, float]] = []  # wall-clock compute intervals, recv/send excluded
+        self.cache = StateCache(
+            self.config,
+            range(*layer_range),
+            num_slots=num_slots,
+            max_seq_len=max_seq_len,
+            device=self.device,
+            dtype=dtype,
+        )
+        self.busy: list[
+            tuple[float, float]
+        ] = []  # wall-clock compute intervals, recv/send excluded
         self._send = None  # (work, tensor) of the last isend
 
     def endpoint(self) -> tuple[str, int]:
@@ -45,8 +67,13 @@ class PrefillStageActor:
 
     def init_group(self, host: str, port: int, timeout_s: float = 600) -> None:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
-                                world_size=self.num_stages, timeout=timedelta(seconds=timeout_s))  # fmt: skip
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{host}:{port}",
+            rank=self.rank,
+            world_size=self.num_stages,
+            timeout=timedelta(seconds=timeout_s),
+        )
 
     @torch.inference_mode()
     def forward(self, ids: list[int] | None, meta: dict, all_logits: bool):
@@ -60,7 +87,9 @@ class PrefillStageActor:
             stream = self.model.embed(torch.tensor(ids, dtype=torch.long, device=self.device))
         else:
             n = bank_size(first, self.config.attn_res_block_size) + 1
-            buf = torch.empty(n, batch.num_tokens, self.config.hidden_size, dtype=self.dtype, device=self.device)
+            buf = torch.empty(
+                n, batch.num_tokens, self.config.hidden_size, dtype=self.dtype, device=self.device
+            )
             dist.recv(buf, src=self.rank - 1)
             t0 = time.time()
             stream = unpack_stream(buf)
@@ -82,8 +111,10 @@ class PrefillStageActor:
     def cache_tensors(self, slot_ids: list[int]) -> dict:
         """This stage's cache for the given slots (tests compare them with one device)."""
         idx = torch.tensor(slot_ids)
-        return {name: {i: t[idx].cpu() for i, t in getattr(self.cache, name).items()}
-                for name in ("kda_state", "kda_conv", "mla_latent")}  # fmt: skip
+        return {
+            name: {i: t[idx].cpu() for i, t in getattr(self.cache, name).items()}
+            for name in ("kda_state", "kda_conv", "mla_latent")
+        }
 
     def stats(self) -> dict:
         return {"rank": self.rank, "layers": self.model.layer_range, "busy": list(self.busy)}

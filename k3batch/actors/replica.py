@@ -22,15 +22,29 @@ log = logging.getLogger(__name__)
 
 
 class ReplicaActor:
-    def __init__(self, model_dir: str, engine_config: EngineConfig, device: str, *, pp: int = 1,
-                 placement_group=None, gpus_per_stage: float = 0):  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str,
+        engine_config: EngineConfig,
+        device: str,
+        *,
+        pp: int = 1,
+        pp_layers=None,
+        placement_group=None,
+        gpus_per_stage: float = 0,
+    ):
         from k3batch.generate import build_engine
 
         t0 = time.perf_counter()
         self.engine, self.tokenizer = build_engine(
-            model_dir, engine_config, device=device, pp=pp, placement_group=placement_group,
+            model_dir,
+            engine_config,
+            device=device,
+            pp=pp,
+            pp_layers=pp_layers,
+            placement_group=placement_group,
             gpus_per_stage=gpus_per_stage,
-        )  # fmt: skip
+        )
         self.load_s = time.perf_counter() - t0
         self.busy_s = 0.0
         self.rows = 0

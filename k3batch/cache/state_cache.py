@@ -19,11 +19,17 @@ class StateCache:
         self.kda_state, self.kda_conv, self.mla_latent = {}, {}, {}
         for i in layer_ids:
             if types[i] == "kda":
-                self.kda_state[i] = torch.zeros(num_slots, H, K, K, dtype=torch.float32, device=device)
-                self.kda_conv[i] = torch.zeros(num_slots, 3, H * K, W - 1, dtype=dtype, device=device)
+                self.kda_state[i] = torch.zeros(
+                    num_slots, H, K, K, dtype=torch.float32, device=device
+                )
+                self.kda_conv[i] = torch.zeros(
+                    num_slots, 3, H * K, W - 1, dtype=dtype, device=device
+                )
             else:
                 width = config.mla_latent_size
-                self.mla_latent[i] = torch.zeros(num_slots, max_seq_len, width, dtype=dtype, device=device)
+                self.mla_latent[i] = torch.zeros(
+                    num_slots, max_seq_len, width, dtype=dtype, device=device
+                )
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property

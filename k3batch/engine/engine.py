@@ -42,12 +42,19 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model, config: EngineConfig = EngineConfig(), *, runner=None,
-                 eos_token_ids: tuple[int, ...] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        config: EngineConfig = EngineConfig(),
+        *,
+        runner=None,
+        eos_token_ids: tuple[int, ...] | None = None,
+    ):
         """model: a K3Model run on its own device; or None with a `runner` (a pipeline)."""
         self.config = config.validate()
-        self.runner = runner or LocalRunner(model, num_slots=config.max_num_seqs,
-                                            max_seq_len=config.max_seq_len)  # fmt: skip
+        self.runner = runner or LocalRunner(
+            model, num_slots=config.max_num_seqs, max_seq_len=config.max_seq_len
+        )
         mcfg = self.runner.config
         self.vocab_size = mcfg.vocab_size
         self.eos_token_ids = tuple(eos_token_ids or (mcfg.eos_token_id,))
@@ -58,8 +65,9 @@ class Engine:
         self._errors: list[GenerationResult] = []
 
     # ---- queue ----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    sampling: SamplingParams | None = None) -> None:  # fmt: skip
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None
+    ) -> None:
         """Queue a request. A request that can never run (empty prompt, ids outside the
         vocabulary, longer than max_seq_len, bad sampling values) finishes at the next step with
         finish_reason 'error' and the reason in `error`; it never stops other requests."""
@@ -67,8 +75,9 @@ class Engine:
         req = Request(request_id, list(prompt_token_ids), sampling)
         reason = self._check(req)
         if reason:
-            self._errors.append(GenerationResult(request_id, req.prompt_token_ids, [], "error",
-                                                 error=reason))  # fmt: skip
+            self._errors.append(
+                GenerationResult(request_id, req.prompt_token_ids, [], "error", error=reason)
+            )
             return
         self._generators[request_id] = make_generator(sampling)
         self.waiting.append(req)
@@ -85,7 +94,8 @@ class Engine:
         if bad:
             return f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
         if len(ids) >= self.config.max_seq_len:
-            return f"prompt of {len(ids)} tokens leaves no room in max_seq_len = {self.config.max_seq_len}"
+            limit = self.config.max_seq_len
+            return f"prompt of {len(ids)} tokens leaves no room in max_seq_len = {limit}"
         return None
 
     def has_unfinished(self) -> bool:
@@ -136,9 +146,11 @@ class Engine:
 
     def _submit_prefill(self, plan):
         ids = [t for r, n in plan for t in r.prompt_token_ids[r.num_computed : r.num_computed + n]]
-        batch = ForwardBatch(seq_lens=[n for _, n in plan],
-                             cached_lens=[r.num_computed for r, _ in plan],
-                             slot_ids=[r.slot_id for r, _ in plan])  # fmt: skip
+        batch = ForwardBatch(
+            seq_lens=[n for _, n in plan],
+            cached_lens=[r.num_computed for r, _ in plan],
+            slot_ids=[r.slot_id for r, _ in plan],
+        )
         want_all = any(r.sampling.prompt_logprobs for r, _ in plan)
         handle = self.runner.submit(ids, batch, all_logits=want_all)
         for r, n in plan:
@@ -169,8 +181,11 @@ class Engine:
 
     def _decode(self, reqs: list[Request]) -> None:
         ids = [r.all_token_ids[-1] for r in reqs]
-        batch = ForwardBatch(seq_lens=[1] * len(reqs), cached_lens=[r.num_computed for r in reqs],
-                             slot_ids=[r.slot_id for r in reqs])  # fmt: skip
+        batch = ForwardBatch(
+            seq_lens=[1] * len(reqs),
+            cached_lens=[r.num_computed for r in reqs],
+            slot_ids=[r.slot_id for r in reqs],
+        )
         logits = self.runner.wait(self.runner.submit(ids, batch, all_logits=False))
         for r, row in zip(reqs, logits):
             r.num_computed += 1
@@ -195,13 +210,20 @@ class Engine:
     def _result(self, req: Request) -> GenerationResult:
         p = req.sampling
         return GenerationResult(
-            req.request_id, req.prompt_token_ids, req.output_token_ids, req.finish_reason,
+            req.request_id,
+            req.prompt_token_ids,
+            req.output_token_ids,
+            req.finish_reason,
             output_logprobs=req.output_logprobs if p.logprobs else None,
             prompt_logprobs=req.prompt_logprobs if p.prompt_logprobs else None,
-        )  # fmt: skip
+        )
 
     # ---- convenience ----------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
         """Run prompts to completion; results in the order of `prompts`."""
         if not isinstance(sampling, list):
             sampling = [sampling] * len(prompts)

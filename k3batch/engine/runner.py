@@ -22,9 +22,13 @@ class LocalRunner:
         p = next(model.parameters())
         self.device = p.device
         self.cache = StateCache(
-            self.config, range(self.config.num_hidden_layers), num_slots=num_slots,
-            max_seq_len=max_seq_len, device=p.device, dtype=p.dtype,
-        )  # fmt: skip
+            self.config,
+            range(self.config.num_hidden_layers),
+            num_slots=num_slots,
+            max_seq_len=max_seq_len,
+            device=p.device,
+            dtype=p.dtype,
+        )
 
     @torch.inference_mode()
     def submit(self, ids: list[int], batch: ForwardBatch, all_logits: bool):

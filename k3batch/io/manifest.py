@@ -95,9 +95,7 @@ def open_manifest(
         manifest = Manifest(
             job_fingerprint=fingerprint,
             job_description=description,
-            input_files=[
-                {"uri": f.uri, "path": f.path, "size_bytes": f.size_bytes} for f in files
-            ],
+            input_files=[{"uri": f.uri, "path": f.path, "size_bytes": f.size_bytes} for f in files],
             batch_rows=batch_rows,
             created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         )
@@ -113,8 +111,9 @@ def open_manifest(
             f"choose another output dir"
         )
     if batch_rows != manifest.batch_rows:
-        _log.info("resuming with the recorded batch_rows=%d (not %d)", manifest.batch_rows,
-                  batch_rows)
+        _log.info(
+            "resuming with the recorded batch_rows=%d (not %d)", manifest.batch_rows, batch_rows
+        )
 
     current = {f.path: f for f in files}
     for f in manifest.files():
@@ -132,8 +131,11 @@ def open_manifest(
     recorded = {f["path"] for f in manifest.input_files}
     num_new = sum(1 for p in current if p not in recorded)
     if num_new:
-        _log.warning("%d input files appeared since the job started; they are not processed "
-                     "(the job keeps its original file list)", num_new)
+        _log.warning(
+            "%d input files appeared since the job started; they are not processed "
+            "(the job keeps its original file list)",
+            num_new,
+        )
     return manifest, manifest.files()
 
 

@@ -127,9 +127,7 @@ class ShardSink:
         units = sorted(self.committed())
         if not units:
             return pa.table({})
-        tables = [
-            pq.read_table(self._join(shard_name(f, b)), filesystem=self.fs) for f, b in units
-        ]
+        tables = [pq.read_table(self._join(shard_name(f, b)), filesystem=self.fs) for f, b in units]
         return pa.concat_tables(tables, promote_options="permissive")
 
     def write_json(self, name: str, obj: dict) -> None:

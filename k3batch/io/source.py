@@ -217,8 +217,9 @@ def iter_units(
 
 def _error_unit(f: InputFile, batch_idx: int, batch_rows: int, what: str, e: Exception) -> Unit:
     error = f"{f.uri}: {what}: {type(e).__name__}: {e}"
-    return Unit(file=f, batch_idx=batch_idx, table=None, row_offset=batch_idx * batch_rows,
-                error=error)
+    return Unit(
+        file=f, batch_idx=batch_idx, table=None, row_offset=batch_idx * batch_rows, error=error
+    )
 
 
 def _iter_file_units(
@@ -298,8 +299,9 @@ def _rechunk(
                     if pos + take == b_end:
                         table = pa.Table.from_batches(pending)
                         pending = []
-                        yield Unit(file=f, batch_idx=b, table=table,
-                                   row_offset=b * batch_rows, error=None)
+                        yield Unit(
+                            file=f, batch_idx=b, table=table, row_offset=b * batch_rows, error=None
+                        )
                 pos += take
                 offset += take
         rg_start = rg_end

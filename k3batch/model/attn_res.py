@@ -28,7 +28,7 @@ def attn_res_mix(candidates: list[torch.Tensor], query_D, norm_weight_D, eps: fl
     No temperature and no bias (spec section 3)."""
     V = torch.stack(candidates).float()  # [n, T, D]
     r = torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)
-    w = (norm_weight_D.float() * query_D.float().reshape(-1))  # gamma and w only as a product
+    w = norm_weight_D.float() * query_D.float().reshape(-1)  # gamma and w only as a product
     score = (V * r * w).sum(-1)  # [n, T]
     alpha = torch.softmax(score, dim=0)
     return (alpha[..., None] * V).sum(0).to(candidates[0].dtype)

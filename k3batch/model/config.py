@@ -141,12 +141,22 @@ class K3Config:
         if self.attn_res_block_size is not None and self.attn_res_block_size < 1:
             raise ValueError(f"attn_res_block_size = {self.attn_res_block_size} < 1")
         if not 0 <= self.first_k_dense_replace <= L:
-            raise ValueError(f"first_k_dense_replace = {self.first_k_dense_replace} not in [0, {L}]")
+            raise ValueError(
+                f"first_k_dense_replace = {self.first_k_dense_replace} not in [0, {L}]"
+            )
         positive = (
-            "vocab_size", "hidden_size", "num_attention_heads", "kv_lora_rank",
-            "qk_nope_head_dim", "v_head_dim", "kda_num_heads", "kda_head_dim",
-            "short_conv_kernel_size", "moe_intermediate_size", "num_experts",
-        )  # fmt: skip
+            "vocab_size",
+            "hidden_size",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "kda_num_heads",
+            "kda_head_dim",
+            "short_conv_kernel_size",
+            "moe_intermediate_size",
+            "num_experts",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)} must be positive")
@@ -229,17 +239,27 @@ class K3Config:
             "topk_method": "noaux_tc",
             "attn_res_block_size": self.attn_res_block_size,
         }
-        out = {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
-               "text_config": text}  # fmt: skip
+        out = {
+            "model_type": "kimi_k3",
+            "architectures": ["KimiK3ForConditionalGeneration"],
+            "text_config": text,
+        }
         if self.experts_mxfp4:
             out["quantization_config"] = {
                 "quant_method": "compressed-tensors",
                 "format": "mxfp4-pack-quantized",
-                "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 32},
-                                              "targets": ["Linear"]}},
-                "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp.*",
-                           "re:.*gate$", "re:.*routed_expert_(up|down)_proj", "lm_head"],
-            }  # fmt: skip
+                "config_groups": {
+                    "group_0": {"weights": {"num_bits": 4, "group_size": 32}, "targets": ["Linear"]}
+                },
+                "ignore": [
+                    "re:.*self_attn.*",
+                    "re:.*shared_experts.*",
+                    "re:.*mlp.*",
+                    "re:.*gate$",
+                    "re:.*routed_expert_(up|down)_proj",
+                    "lm_head",
+                ],
+            }
         return out
 
     @property
@@ -250,14 +270,37 @@ class K3Config:
 
 # Keys that carry no architecture for k3batch (or are checked below) and are accepted silently.
 _IGNORED_KEYS = {
-    "architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version",
-    "use_cache", "initializer_range", "head_dim", "num_key_value_heads", "rope_theta",
-    "rope_scaling", "mla_use_nope", "moe_layer_freq", "moe_router_activation_func",
-    "use_grouped_topk", "num_expert_group", "topk_group", "topk_method",
-    "num_nextn_predict_layers", "tie_word_embeddings", "model_max_length",
-    "quantization_config", "linear_attn_config", "attention_dropout", "attention_bias",
-    "vision_config", "media_placeholder_token_id", "text_config", "pretraining_tp",
-}  # fmt: skip
+    "architectures",
+    "auto_map",
+    "model_type",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "use_cache",
+    "initializer_range",
+    "head_dim",
+    "num_key_value_heads",
+    "rope_theta",
+    "rope_scaling",
+    "mla_use_nope",
+    "moe_layer_freq",
+    "moe_router_activation_func",
+    "use_grouped_topk",
+    "num_expert_group",
+    "topk_group",
+    "topk_method",
+    "num_nextn_predict_layers",
+    "tie_word_embeddings",
+    "model_max_length",
+    "quantization_config",
+    "linear_attn_config",
+    "attention_dropout",
+    "attention_bias",
+    "vision_config",
+    "media_placeholder_token_id",
+    "text_config",
+    "pretraining_tp",
+}
 
 _FIELD_KEYS = {
     "activation_situ_beta": "situ_beta",
@@ -282,7 +325,9 @@ def _from_hf_dict(raw: dict) -> K3Config:
 
     def expect(key, allowed):
         if key in raw and raw[key] not in allowed:
-            raise ValueError(f"config.json: {key} = {raw[key]!r} is not supported; expected {allowed}")
+            raise ValueError(
+                f"config.json: {key} = {raw[key]!r} is not supported; expected {allowed}"
+            )
 
     expect("moe_router_activation_func", ("sigmoid",))
     expect("num_expert_group", (1, None))
@@ -340,12 +385,26 @@ def _from_hf_dict(raw: dict) -> K3Config:
 def _tiny(**kw) -> K3Config:
     """Tiny widths shared by the CPU flavors (spec section 15)."""
     base = dict(
-        vocab_size=512, hidden_size=64, num_attention_heads=2, q_lora_rank=48, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kda_num_heads=2, kda_head_dim=16,
-        intermediate_size=128, num_experts=8, num_experts_per_token=2, num_shared_experts=2,
-        moe_intermediate_size=24, routed_expert_hidden_size=32,
-        bos_token_id=256, eos_token_id=258, pad_token_id=511,
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=64,
+        num_attention_heads=2,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        kda_num_heads=2,
+        kda_head_dim=16,
+        intermediate_size=128,
+        num_experts=8,
+        num_experts_per_token=2,
+        num_shared_experts=2,
+        moe_intermediate_size=24,
+        routed_expert_hidden_size=32,
+        bos_token_id=256,
+        eos_token_id=258,
+        pad_token_id=511,
+    )
     return K3Config(**(base | kw))
 
 
@@ -358,29 +417,45 @@ def _kimi_linear_layers(num_layers: int, mla: tuple[int, ...]) -> dict:
 
 
 _KIMI_LINEAR = dict(
-    q_lora_rank=None, mla_use_output_gate=False, gate_lower_bound=None, kda_full_rank_gate=False,
-    hidden_act="silu", routed_expert_hidden_size=None, latent_moe_use_norm=False,
-    routed_scaling_factor=2.446, attn_res_block_size=None,
-)  # fmt: skip
+    q_lora_rank=None,
+    mla_use_output_gate=False,
+    gate_lower_bound=None,
+    kda_full_rank_gate=False,
+    hidden_act="silu",
+    routed_expert_hidden_size=None,
+    latent_moe_use_norm=False,
+    routed_scaling_factor=2.446,
+    attn_res_block_size=None,
+)
 
 FLAVORS: dict[str, K3Config] = {
     "k3": K3Config(),
     "k3-debug": _tiny(),
     "k3-slice": K3Config(
-        num_hidden_layers=8, kda_layers=(1, 2, 3, 5, 6, 7), full_attn_layers=(4, 8),
-        num_experts=112, num_experts_per_token=2,
+        num_hidden_layers=8,
+        kda_layers=(1, 2, 3, 5, 6, 7),
+        full_attn_layers=(4, 8),
+        num_experts=112,
+        num_experts_per_token=2,
     ),
     "kimi-linear-debug": _tiny(
-        **_KIMI_LINEAR, num_shared_experts=1,
+        **_KIMI_LINEAR,
+        num_shared_experts=1,
         **_kimi_linear_layers(27, (4, 8, 12, 16, 20, 24, 27)),
     ),
     "kimi-linear": K3Config(
-        **_KIMI_LINEAR, **_kimi_linear_layers(27, (4, 8, 12, 16, 20, 24, 27)),
-        hidden_size=2304, intermediate_size=9216, num_attention_heads=32, kda_num_heads=32,
-        num_experts=256, num_experts_per_token=8, num_shared_experts=1,
+        **_KIMI_LINEAR,
+        **_kimi_linear_layers(27, (4, 8, 12, 16, 20, 24, 27)),
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_attention_heads=32,
+        kda_num_heads=32,
+        num_experts=256,
+        num_experts_per_token=8,
+        num_shared_experts=1,
         moe_intermediate_size=1024,
     ),
-}  # fmt: skip
+}
 
 
 def get_flavor(name: str) -> K3Config:

@@ -81,8 +81,9 @@ class K3Model(nn.Module):
     `ForwardBatch` and a cache.
     """
 
-    def __init__(self, config, *, layer_range: tuple[int, int] | None = None, dtype=None,
-                 device=None):  # fmt: skip
+    def __init__(
+        self, config, *, layer_range: tuple[int, int] | None = None, dtype=None, device=None
+    ):
         super().__init__()
         self.config = config
         first, last = layer_range or (0, config.num_hidden_layers)
@@ -133,8 +134,9 @@ class K3Model(nn.Module):
             h = stream.partial
         return self.model.norm(h)
 
-    def forward_batch(self, input_ids_T, batch: ForwardBatch, cache=None, *,
-                      all_logits: bool = False):  # fmt: skip
+    def forward_batch(
+        self, input_ids_T, batch: ForwardBatch, cache=None, *, all_logits: bool = False
+    ):
         """Whole-model forward on packed tokens. Returns logits [num_seqs, V] at each
         sequence's last new token, or [T, V] for every token with all_logits."""
         stream = self.run_layers(self.embed(input_ids_T), batch, cache)

@@ -48,18 +48,34 @@ class KimiDeltaAttention(nn.Module):
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         outs, conv_out = [], []
         for j, (proj, conv) in enumerate(zip((self.q_proj, self.k_proj, self.v_proj), convs)):
-            y, st = ops.short_conv(proj(x_TD), conv.weight[:, 0], conv_in[:, j], cu,
-                                   decode=decode, backend=self.backend)  # fmt: skip
+            y, st = ops.short_conv(
+                proj(x_TD),
+                conv.weight[:, 0],
+                conv_in[:, j],
+                cu,
+                decode=decode,
+                backend=self.backend,
+            )
             outs.append(y.view(T, H, K))
             conv_out.append(st)
         q, k, v = outs
         f = self.f_b_proj(self.f_a_proj(x_TD)).view(T, H, K)
         b = self.b_proj(x_TD).float()
         o, state_out = ops.kda_core(
-            q, k, v, f, b, self.A_log, self.dt_bias, lower_bound=self.lower_bound,
-            scale=K**-0.5, initial_state=state_in, cu_seqlens=cu, decode=decode,
+            q,
+            k,
+            v,
+            f,
+            b,
+            self.A_log,
+            self.dt_bias,
+            lower_bound=self.lower_bound,
+            scale=K**-0.5,
+            initial_state=state_in,
+            cu_seqlens=cu,
+            decode=decode,
             backend=self.backend,
-        )  # fmt: skip
+        )
         if cache is not None:
             slots = torch.tensor(batch.slot_ids, device=x_TD.device)
             cache.kda_state[self.layer_idx].index_copy_(0, slots, state_out)
@@ -69,8 +85,13 @@ class KimiDeltaAttention(nn.Module):
             z = self.g_proj(x_TD)
         else:
             z = self.g_b_proj(self.g_a_proj(x_TD))
-        y = ops.gated_rms_norm(o.to(x_TD.dtype), z.view(T, H, K), self.o_norm.weight, self.o_norm.eps,
-                               backend=self.backend)  # fmt: skip
+        y = ops.gated_rms_norm(
+            o.to(x_TD.dtype),
+            z.view(T, H, K),
+            self.o_norm.weight,
+            self.o_norm.eps,
+            backend=self.backend,
+        )
         return self.o_proj(y.reshape(T, H * K))
 
     def _read_cache(self, x_TD, batch, cache):

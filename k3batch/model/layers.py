@@ -33,7 +33,12 @@ def gated_act(gate, up, act: str, beta: float = 4.0, linear_beta: float = 25.0):
     SwiGLU (Kimi Linear, act 'silu'): silu(g) * u. fp32 math, cast back to gate's dtype."""
     g, u = gate.float(), up.float()
     if act == "situ":
-        out = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
+        out = (
+            beta
+            * torch.tanh(g / beta)
+            * torch.sigmoid(g)
+            * (linear_beta * torch.tanh(u / linear_beta))
+        )
     else:
         out = torch.nn.functional.silu(g) * u
     return out.to(gate.dtype)
@@ -44,11 +49,17 @@ class GatedMLP(nn.Module):
 
     def __init__(self, config, in_size: int, inter_size: int, dtype=None, device=None):
         super().__init__()
-        self.act, self.beta, self.linear_beta = config.hidden_act, config.situ_beta, config.situ_linear_beta
+        self.act, self.beta, self.linear_beta = (
+            config.hidden_act,
+            config.situ_beta,
+            config.situ_linear_beta,
+        )
         self.gate_proj = linear(in_size, inter_size, dtype, device)
         self.up_proj = linear(in_size, inter_size, dtype, device)
         self.down_proj = linear(inter_size, in_size, dtype, device)
 
     def forward(self, x_TD):
-        h = gated_act(self.gate_proj(x_TD), self.up_proj(x_TD), self.act, self.beta, self.linear_beta)
+        h = gated_act(
+            self.gate_proj(x_TD), self.up_proj(x_TD), self.act, self.beta, self.linear_beta
+        )
         return self.down_proj(h)

@@ -19,7 +19,11 @@ class KimiMLAAttention(nn.Module):
         self.layer_idx = layer_idx
         D, H = config.hidden_size, config.num_attention_heads
         self.num_heads = H
-        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.nope, self.rope, self.v_dim = (
+            config.qk_nope_head_dim,
+            config.qk_rope_head_dim,
+            config.v_head_dim,
+        )
         self.kv_lora = config.kv_lora_rank
         self.scale = config.q_head_dim**-0.5
         q_out = H * config.q_head_dim
@@ -92,9 +96,12 @@ class KimiMLAAttention(nn.Module):
                 torch.arange(T, device=q_THQ.device)[:, None] + offset
             )
             out = F.scaled_dot_product_attention(
-                q_THQ.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=keep,
+                q_THQ.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                attn_mask=keep,
                 scale=self.scale,
-            )  # fmt: skip
+            )
             return out.transpose(0, 1)
         q_nope, q_rope = q_THQ.split([self.nope, self.rope], dim=-1)
         scores = torch.einsum("thd,shd->hts", q_nope.float(), k_nope.float())
@@ -127,7 +134,9 @@ class KimiMLAAttention(nn.Module):
         q_nope, q_rope = q_BHQ.float().split([self.nope, self.rope], dim=-1)
         q_lat = torch.einsum("bhd,hdl->bhl", q_nope, w_uk)
         c, k_rope = latent_BSC.float().split([self.kv_lora, self.rope], dim=-1)
-        scores = torch.einsum("bhl,bsl->bhs", q_lat, c) + torch.einsum("bhr,bsr->bhs", q_rope, k_rope)
+        scores = torch.einsum("bhl,bsl->bhs", q_lat, c) + torch.einsum(
+            "bhr,bsr->bhs", q_rope, k_rope
+        )
         scores = (scores * self.scale).masked_fill(mask_BS[:, None, :], float("-inf"))
         ctx_lat = torch.einsum("bhs,bsl->bhl", torch.softmax(scores, dim=-1), c)
         return torch.einsum("bhl,hvl->bhv", ctx_lat, w_uv).to(q_BHQ.dtype)

@@ -20,7 +20,9 @@ class Router(nn.Module):
         super().__init__()
         self.top_k, self.renormalize = config.num_experts_per_token, config.moe_renormalize
         self.scaling = config.routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=dtype, device=device))
+        self.weight = nn.Parameter(
+            torch.empty(config.num_experts, config.hidden_size, dtype=dtype, device=device)
+        )
         self.e_score_correction_bias = nn.Parameter(
             torch.zeros(config.num_experts, dtype=torch.float32, device=device)
         )
@@ -29,7 +31,9 @@ class Router(nn.Module):
         """Returns (expert ids [T, k] int64, weights [T, k] fp32)."""
         scores = torch.sigmoid(x_TD.float() @ self.weight.float().t())  # [T, E]
         if pinned_ids is None:
-            ids = torch.topk(scores + self.e_score_correction_bias.float(), self.top_k, dim=-1).indices
+            ids = torch.topk(
+                scores + self.e_score_correction_bias.float(), self.top_k, dim=-1
+            ).indices
         else:
             ids = pinned_ids.to(scores.device)
         w = scores.gather(-1, ids)
@@ -45,7 +49,11 @@ class Experts(nn.Module):
     def __init__(self, config, in_size: int, dtype=None, device=None):
         super().__init__()
         E, I = config.num_experts, config.moe_intermediate_size
-        self.act, self.beta, self.linear_beta = config.hidden_act, config.situ_beta, config.situ_linear_beta
+        self.act, self.beta, self.linear_beta = (
+            config.hidden_act,
+            config.situ_beta,
+            config.situ_linear_beta,
+        )
         self.w1 = nn.Parameter(torch.empty(E, I, in_size, dtype=dtype, device=device))
         self.w3 = nn.Parameter(torch.empty(E, I, in_size, dtype=dtype, device=device))
         self.w2 = nn.Parameter(torch.empty(E, in_size, I, dtype=dtype, device=device))
@@ -65,7 +73,9 @@ class Experts(nn.Module):
             tok = token[start : start + n]
             start += n
             xe = x_TD[tok]
-            h = gated_act(xe @ self.w1[e].t(), xe @ self.w3[e].t(), self.act, self.beta, self.linear_beta)
+            h = gated_act(
+                xe @ self.w1[e].t(), xe @ self.w3[e].t(), self.act, self.beta, self.linear_beta
+            )
             ye = (h @ self.w2[e].t()).float() * weights_Tk.reshape(-1)[sel, None]
             out.index_add_(0, tok, ye)
         return out

@@ -137,8 +137,9 @@ def plan_load(path, model: K3Model) -> LoadPlan:
     """Match the checkpoint's index against `model` (which may live on the meta device).
 
     Raises ValueError for unexpected or missing tensors, a missing shard file, or a shape
-    mismatch (only shard headers are read). Tensors of other pipeline stages are skipped. Experts may be stored either as bf16 or as
-    MXFP4, whatever `config.experts_mxfp4` says; missing ones are named in the config's form.
+    mismatch (only shard headers are read). Tensors of other pipeline stages are skipped.
+    Experts may be stored either as bf16 or as MXFP4, whatever `config.experts_mxfp4` says;
+    missing ones are named in the config's form.
     """
     path, config = Path(path), model.config
     weight_map = read_weight_map(path)
@@ -204,7 +205,8 @@ def load_weights_(model: K3Model, plan: LoadPlan) -> K3Model:
     """Fill every parameter of `model` from the checkpoint, shard by shard, tensor by tensor.
 
     `plan` comes from `plan_load`, which checked names and shapes; values are cast to the
-    parameter's dtype. MXFP4 experts are dequantized on the parameter's device once both halves have been read.
+    parameter's dtype. MXFP4 experts are dequantized on the parameter's device once both
+    halves (packed values and scales) have been read.
     """
     params = dict(model.named_parameters())
     halves: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
@@ -251,8 +253,9 @@ _TINY_SHARD_BYTES = 2 * 2**20  # splits the tiny flavors (3 to 9 MB) into severa
 _LARGE_SHARD_BYTES = 4 * 2**30
 
 
-def write_checkpoint(model_or_config, out_dir, *, seed: int = 0,
-                     max_shard_bytes: int | None = None) -> K3Model:  # fmt: skip
+def write_checkpoint(
+    model_or_config, out_dir, *, seed: int = 0, max_shard_bytes: int | None = None
+) -> K3Model:
     """Write a checkpoint in the official layout (spec section 11) and return the model written.
 
     `model_or_config`: a whole K3Model (any dtype), or a K3Config for which an fp32 CPU model
@@ -369,6 +372,9 @@ def _write_side_files(config: K3Config, out_dir: Path) -> None:
     gen_cfg = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
     (out_dir / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
     write_tiny_tokenizer(
-        out_dir, vocab_size=config.vocab_size, bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
-    )  # fmt: skip
+        out_dir,
+        vocab_size=config.vocab_size,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )

@@ -15,18 +15,54 @@ def _fla():
     return fla
 
 
-def kda_core(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, initial_state, cu_seqlens,
-             decode: bool, backend: str):  # fmt: skip
+def kda_core(
+    q,
+    k,
+    v,
+    f,
+    b,
+    A_log,
+    dt_bias,
+    *,
+    lower_bound,
+    scale,
+    initial_state,
+    cu_seqlens,
+    decode: bool,
+    backend: str,
+):
     """q, k: [T, H, K] after the conv; v: [T, H, V]; f: [T, H, K] raw decay logits; b: [T, H]
     raw beta logits; initial_state: [N, H, K, V] fp32; cu_seqlens: N+1 offsets (list).
     Returns (o [T, H, V], final state [N, H, K, V] fp32)."""
     if backend == "fla":
         fn = _fla().kda_decode if decode else _fla().kda_prefill
-        return fn(q, k, v, f, b, A_log, dt_bias, lower_bound=lower_bound, scale=scale,
-                  initial_state=initial_state, cu_seqlens=cu_seqlens)  # fmt: skip
-    return reference.kda_core(q, k, v, f, b, A_log, dt_bias, lower_bound=lower_bound, scale=scale,
-                              initial_state=initial_state, cu_seqlens=cu_seqlens,
-                              chunked=not decode)  # fmt: skip
+        return fn(
+            q,
+            k,
+            v,
+            f,
+            b,
+            A_log,
+            dt_bias,
+            lower_bound=lower_bound,
+            scale=scale,
+            initial_state=initial_state,
+            cu_seqlens=cu_seqlens,
+        )
+    return reference.kda_core(
+        q,
+        k,
+        v,
+        f,
+        b,
+        A_log,
+        dt_bias,
+        lower_bound=lower_bound,
+        scale=scale,
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        chunked=not decode,
+    )
 
 
 def short_conv(x, weight_CW, conv_state, cu_seqlens, *, decode: bool, backend: str):

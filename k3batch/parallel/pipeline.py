@@ -13,8 +13,9 @@ import torch
 from k3batch.model.attn_res import Stream
 
 
-def split_layers(num_layers: int, num_stages: int, block_size: int | None = None,
-                 sizes: list[int] | None = None) -> list[tuple[int, int]]:  # fmt: skip
+def split_layers(
+    num_layers: int, num_stages: int, block_size: int | None = None, sizes: list[int] | None = None
+) -> list[tuple[int, int]]:
     """[first, last) per stage. `sizes` (layers per stage) overrides the default partition."""
     if not 1 <= num_stages <= num_layers:
         raise ValueError(f"pp = {num_stages} must be in [1, num_layers = {num_layers}]")

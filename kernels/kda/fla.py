@@ -51,7 +51,11 @@ def kda_prefill(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, initial_st
 
     cu, cu_cpu = _cu_seqlens(cu_seqlens, q.device)
     o, state = chunk_kda(
-        q[None], k[None], v[None], f[None], b[None],
+        q[None],
+        k[None],
+        v[None],
+        f[None],
+        b[None],
         scale=scale,
         initial_state=initial_state.float().contiguous(),
         output_final_state=True,
@@ -59,7 +63,7 @@ def kda_prefill(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, initial_st
         cu_seqlens=cu,
         cu_seqlens_cpu=cu_cpu,
         **_gate_args(A_log, dt_bias, lower_bound),
-    )  # fmt: skip
+    )
     return o[0], state
 
 
@@ -75,13 +79,16 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, initial_sta
     T, H, K = q.shape
     V = v.shape[-1]
     o, state = fused_recurrent_kda(
-        q.reshape(N, 1, H, K), k.reshape(N, 1, H, K), v.reshape(N, 1, H, V),
-        f.reshape(N, 1, H, K), b.reshape(N, 1, H),
+        q.reshape(N, 1, H, K),
+        k.reshape(N, 1, H, K),
+        v.reshape(N, 1, H, V),
+        f.reshape(N, 1, H, K),
+        b.reshape(N, 1, H),
         scale=scale,
         initial_state=initial_state.float().contiguous(),
         output_final_state=True,
         **_gate_args(A_log, dt_bias, lower_bound),
-    )  # fmt: skip
+    )
     return o.reshape(T, H, V), state
 
 
@@ -106,9 +113,14 @@ def short_conv(x, weight_CW, conv_state, cu_seqlens, *, decode: bool):
         return y, cache[..., 1:]  # updated in place: now the last W inputs, current included
     cu, cu_cpu = _cu_seqlens(cu_seqlens, x.device)
     y, final = causal_conv1d(
-        x.contiguous()[None], weight=weight, initial_state=cache, output_final_state=True,
-        activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
-    )  # fmt: skip
+        x.contiguous()[None],
+        weight=weight,
+        initial_state=cache,
+        output_final_state=True,
+        activation="silu",
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu_cpu,
+    )
     return y[0], final[..., 1:].contiguous()
 
 

@@ -83,8 +83,9 @@ def kda_chunked(q, k, v, g, beta, scale: float, initial_state=None, chunk_size: 
     return o.transpose(0, 1), S
 
 
-def kda_core(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, initial_state, cu_seqlens,
-             chunked: bool):  # fmt: skip
+def kda_core(
+    q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, initial_state, cu_seqlens, chunked: bool
+):
     """The KDA core on a packed batch, from raw inputs (as fla's kernels take them with the
     gate, beta sigmoid and q/k L2 norm "in kernel").
 

@@ -20,8 +20,14 @@ def _prompt(n, seed):
 
 
 def _prefill(model, ids, chunk):
-    cache = StateCache(model.config, range(model.config.num_hidden_layers), num_slots=2,
-                       max_seq_len=128, device="cpu", dtype=torch.float32)  # fmt: skip
+    cache = StateCache(
+        model.config,
+        range(model.config.num_hidden_layers),
+        num_slots=2,
+        max_seq_len=128,
+        device="cpu",
+        dtype=torch.float32,
+    )
     slot = cache.alloc()
     rows = []
     with torch.no_grad():
@@ -80,8 +86,9 @@ def test_mixed_batch_equals_each_alone(model_factory):
 def test_greedy_tokens_and_logprobs_match_full_forward(model_factory):
     model = model_factory("k3-debug")
     prompts = [_prompt(n, 10 + n) for n in (9, 20)]
-    sp = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True, logprobs=True,
-                        prompt_logprobs=True)  # fmt: skip
+    sp = SamplingParams(
+        temperature=0, max_new_tokens=6, ignore_eos=True, logprobs=True, prompt_logprobs=True
+    )
     results = Engine(model, EngineConfig(max_seq_len=64, chunk_size=8)).generate(prompts, sp)
     for p, r in zip(prompts, results):
         seq = torch.tensor([p + r.output_token_ids])
@@ -91,7 +98,9 @@ def test_greedy_tokens_and_logprobs_match_full_forward(model_factory):
         assert r.output_token_ids == lp[L - 1 : -1].argmax(-1).tolist()
         assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == L
         ref_prompt = lp[: L - 1].gather(-1, seq[0, 1:L, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(r.prompt_logprobs[1:]), ref_prompt, rtol=0, atol=ATOL)
+        torch.testing.assert_close(
+            torch.tensor(r.prompt_logprobs[1:]), ref_prompt, rtol=0, atol=ATOL
+        )
         ref_out = lp[L - 1 : -1].gather(-1, seq[0, L:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(r.output_logprobs), ref_out, rtol=0, atol=ATOL)
 
@@ -109,7 +118,9 @@ def test_sampling_options(model_factory):
     b = eng().generate([p[0], _prompt(9, 4)], [seeded, seeded])[0].output_token_ids
     assert a == b  # the seed decides, not the batch
     stop = greedy.output_token_ids[2]
-    r = eng().generate(p, SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=(stop,)))[0]
+    r = eng().generate(p, SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=(stop,)))[
+        0
+    ]
     assert r.finish_reason == "stop" and r.output_token_ids[-1] == stop
     assert greedy.finish_reason == "length" and len(greedy.output_token_ids) == 8
 
@@ -118,7 +129,8 @@ def test_eos_stops_unless_ignored(model_factory):
     model = model_factory("kimi-linear-debug")
     p = [_prompt(6, 3)]
     greedy = Engine(model, EngineConfig(max_seq_len=64)).generate(
-        p, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))[0]  # fmt: skip
+        p, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    )[0]
     eos = greedy.output_token_ids[1]
     eng = Engine(model, EngineConfig(max_seq_len=64), eos_token_ids=(eos,))
     r = eng.generate(p, SamplingParams(temperature=0, max_new_tokens=8))[0]

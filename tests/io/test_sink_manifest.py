@@ -22,8 +22,12 @@ def rows(*ids: int) -> pa.Table:
 def test_shard_name_padded_and_sortable():
     assert shard_name(3, 12) == "part-f00003-b000012.parquet"
     names = [shard_name(f, b) for f, b in [(0, 10), (0, 9), (1, 0), (0, 100)]]
-    assert sorted(names) == [shard_name(0, 9), shard_name(0, 10), shard_name(0, 100),
-                             shard_name(1, 0)]
+    assert sorted(names) == [
+        shard_name(0, 9),
+        shard_name(0, 10),
+        shard_name(0, 100),
+        shard_name(1, 0),
+    ]
     with pytest.raises(ValueError, match="-1"):
         shard_name(-1, 0)
 
@@ -42,7 +46,8 @@ def test_sink_write_commit_round_trip(tmp_path):
     assert sink.read_all().column("id").to_pylist() == [0, 1, 10, 11, 20]  # unit order
     # Nothing but the shards is left behind (no temp files, no probe).
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        shard_name(f, b) for f, b in [(0, 0), (0, 1), (2, 0)])
+        shard_name(f, b) for f, b in [(0, 0), (0, 1), (2, 0)]
+    )
     # A new sink on the same directory (a resumed run) sees the same commits.
     assert ShardSink(f"file://{out}").committed() == {(0, 0), (0, 1), (2, 0)}
 
@@ -59,7 +64,8 @@ def test_sink_cleans_up_temp_leftovers(tmp_path):
     assert sink.cleanup_temp() == 2
     assert sink.cleanup_temp() == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [shard_name(0, 0), "README.txt", "part-f00000-b000002.parquet.bak"])
+        [shard_name(0, 0), "README.txt", "part-f00000-b000002.parquet.bak"]
+    )
     assert sink.read_all().column("id").to_pylist() == [1]
 
 
@@ -118,12 +124,14 @@ def test_manifest_new_then_resume_keeps_original_files(tmp_path):
     sink = ShardSink(str(tmp_path / "out"))
     _, files = resolve_input(str(root))
     desc = {"model": "k3-debug", "input": str(root), "sampling": {"temperature": 0.0}}
-    manifest, got = open_manifest(sink, fingerprint="fp1", description=desc, files=files,
-                                  batch_rows=64)
+    manifest, got = open_manifest(
+        sink, fingerprint="fp1", description=desc, files=files, batch_rows=64
+    )
     assert got == files
     assert (manifest.job_fingerprint, manifest.batch_rows, manifest.version) == ("fp1", 64, 1)
     assert manifest.input_files == [
-        {"uri": f.uri, "path": f.path, "size_bytes": f.size_bytes} for f in files]
+        {"uri": f.uri, "path": f.path, "size_bytes": f.size_bytes} for f in files
+    ]
     on_disk = json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())
     assert Manifest.from_dict(on_disk, where="test") == manifest
 
@@ -133,8 +141,13 @@ def test_manifest_new_then_resume_keeps_original_files(tmp_path):
     pq.write_table(rows(7), root / "a0_new.parquet")
     _, files_now = resolve_input(str(root))
     assert len(files_now) == 3
-    resumed, got = open_manifest(ShardSink(str(tmp_path / "out")), fingerprint="fp1",
-                                 description=desc, files=files_now, batch_rows=8)
+    resumed, got = open_manifest(
+        ShardSink(str(tmp_path / "out")),
+        fingerprint="fp1",
+        description=desc,
+        files=files_now,
+        batch_rows=8,
+    )
     assert resumed == manifest and resumed.batch_rows == 64
     assert got == files
     assert [f.index for f in got] == [0, 1]

@@ -51,8 +51,14 @@ def test_resolve_input_directory_recursive_sorted_skips_metadata(tmp_path):
     root = tmp_path / "in"
     for rel in ["b.parquet", "a.parquet", "sub/c.parquet", "sub/deeper/a.parquet"]:
         write_rows(root / rel, 2)
-    for rel in ["_SUCCESS", ".hidden.parquet", "_meta.parquet", "notes.txt",
-                "_temporary/x.parquet", ".cache/y.parquet"]:
+    for rel in [
+        "_SUCCESS",
+        ".hidden.parquet",
+        "_meta.parquet",
+        "notes.txt",
+        "_temporary/x.parquet",
+        ".cache/y.parquet",
+    ]:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(b"not parquet")
     _, files = resolve_input(str(root))
@@ -69,7 +75,10 @@ def test_resolve_input_glob(tmp_path):
     assert [os.path.basename(f.path) for f in files] == ["x1.parquet", "x2.parquet"]
     _, files = resolve_input(str(root / "**" / "x*.parquet"))
     assert [os.path.relpath(f.path, root) for f in files] == [
-        "sub/x3.parquet", "x1.parquet", "x2.parquet"]
+        "sub/x3.parquet",
+        "x1.parquet",
+        "x2.parquet",
+    ]
     _, files = resolve_input(str(root / "*" / "x?.parquet"))
     assert [os.path.relpath(f.path, root) for f in files] == ["sub/x3.parquet"]
 
@@ -121,8 +130,15 @@ def test_iter_units_exact_sizes_across_uneven_row_groups(tmp_path):
     fs, files = resolve_input(str(tmp_path))
     units = list(iter_units(fs, files, batch_rows=10))
     assert [(u.file.index, u.batch_idx, u.table.num_rows, u.row_offset) for u in units] == [
-        (0, 0, 10, 0), (0, 1, 10, 10), (0, 2, 10, 20), (0, 3, 10, 30), (0, 4, 10, 40),
-        (0, 5, 3, 50), (1, 0, 10, 0), (1, 1, 10, 10)]
+        (0, 0, 10, 0),
+        (0, 1, 10, 10),
+        (0, 2, 10, 20),
+        (0, 3, 10, 30),
+        (0, 4, 10, 40),
+        (0, 5, 3, 50),
+        (1, 0, 10, 0),
+        (1, 1, 10, 10),
+    ]
     assert all(u.error is None for u in units)
     assert ids_of(units) == list(range(53)) + list(range(1000, 1020))
     for u in units:  # every unit holds exactly its rows
@@ -186,15 +202,24 @@ def test_iter_units_corrupt_files_between_good_ones(tmp_path):
     good.unlink()
     write_rows(tmp_path / "d.parquet", 12, start=500, row_group_size=5)
     fs, files = resolve_input(str(tmp_path))
-    assert [os.path.basename(f.path) for f in files] == ["a.parquet", "b.parquet", "c.parquet",
-                                                          "d.parquet"]
+    assert [os.path.basename(f.path) for f in files] == [
+        "a.parquet",
+        "b.parquet",
+        "c.parquet",
+        "d.parquet",
+    ]
     units = list(iter_units(fs, files, batch_rows=10))
     errors = [u for u in units if u.table is None]
     assert [(u.file.index, u.batch_idx, u.row_offset) for u in errors] == [(1, 0, 0), (2, 0, 0)]
     assert "b.parquet" in errors[0].error and "c.parquet" in errors[1].error
     good_units = [u for u in units if u.table is not None]
     assert [(u.file.index, u.batch_idx) for u in good_units] == [
-        (0, 0), (0, 1), (0, 2), (3, 0), (3, 1)]
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (3, 0),
+        (3, 1),
+    ]
     assert ids_of(good_units) == list(range(25)) + list(range(500, 512))
     # A committed error unit is not yielded again, and a footer error is only ever unit 0.
     again = list(iter_units(fs, files, 10, skip=lambda f, b: (f, b) == (1, 0)))
@@ -209,14 +234,22 @@ def test_iter_units_read_error_midway(tmp_path):
     assert count_rows(fs, files) == [200, 5]  # the footer is intact
     units = list(iter_units(fs, files, batch_rows=20))
     assert [(u.file.index, u.batch_idx, u.table is None) for u in units] == [
-        (0, 0, False), (0, 1, False), (0, 2, False), (0, 3, False), (0, 4, False),
-        (0, 5, True), (1, 0, False)]
+        (0, 0, False),
+        (0, 1, False),
+        (0, 2, False),
+        (0, 3, False),
+        (0, 4, False),
+        (0, 5, True),
+        (1, 0, False),
+    ]
     err = units[5]
     assert err.row_offset == 100 and "a.parquet" in err.error and "row 100" in err.error
     # Resuming with the error unit committed reports the next not-committed batch.
     units = list(iter_units(fs, files, 20, skip=lambda f, b: f == 0 and b <= 5))
     assert [(u.file.index, u.batch_idx, u.table is None) for u in units] == [
-        (0, 6, True), (1, 0, False)]
+        (0, 6, True),
+        (1, 0, False),
+    ]
 
 
 def test_iter_units_bounded_memory(tmp_path):
@@ -225,10 +258,12 @@ def test_iter_units_bounded_memory(tmp_path):
     k3batch.io (the top-level package would import torch)."""
     path = tmp_path / "big.parquet"
     num_rows = 200_000
-    table = pa.table({
-        "id": pa.array(range(num_rows), pa.int64()),
-        "prompt": [f"prompt number {i} " + "x" * (i % 50) for i in range(num_rows)],
-    })
+    table = pa.table(
+        {
+            "id": pa.array(range(num_rows), pa.int64()),
+            "prompt": [f"prompt number {i} " + "x" * (i % 50) for i in range(num_rows)],
+        }
+    )
     pq.write_table(table, path, row_group_size=10_000)
     decoded_bytes = table.nbytes
     del table
@@ -247,8 +282,7 @@ def test_iter_units_bounded_memory(tmp_path):
             num_units += 1
         print(num_rows, num_units, pa.default_memory_pool().max_memory())
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     got_rows, got_units, peak_bytes = map(int, out.stdout.split())
     assert (got_rows, got_units) == (num_rows, 200)

@@ -86,8 +86,7 @@ def _split(x, dtype):
 def _core_kwargs(d, lower_bound, cu):
     args = (d["q"], d["k"], d["v"], d["f"], d["b"], d["A_log"], d["dt_bias"])
     K = d["q"].shape[-1]
-    kw = {"lower_bound": lower_bound, "scale": K**-0.5, "initial_state": d["h0"],
-          "cu_seqlens": cu}  # fmt: skip
+    kw = {"lower_bound": lower_bound, "scale": K**-0.5, "initial_state": d["h0"], "cu_seqlens": cu}
     return args, kw
 
 
@@ -115,19 +114,39 @@ def test_kda_prefill_matches_reference(numbers, shape, gate, dt, state):
     assert o.dtype == dtype and o.shape == o_ref.shape
     assert S.dtype == torch.float32 and S.shape == S_ref.shape
     tag = f"prefill/{shape}/{gate}/{dt}/{state}"
-    numbers.check(f"{tag}/o", o_ref, o, rel_rms=TOLERANCES[("o", dtype)][0],
-                  max_abs=TOLERANCES[("o", dtype)][1])  # fmt: skip
-    numbers.check(f"{tag}/state", S_ref, S, rel_rms=TOLERANCES[("state", dtype)][0],
-                  max_abs=TOLERANCES[("state", dtype)][1])  # fmt: skip
+    numbers.check(
+        f"{tag}/o",
+        o_ref,
+        o,
+        rel_rms=TOLERANCES[("o", dtype)][0],
+        max_abs=TOLERANCES[("o", dtype)][1],
+    )
+    numbers.check(
+        f"{tag}/state",
+        S_ref,
+        S,
+        rel_rms=TOLERANCES[("state", dtype)][0],
+        max_abs=TOLERANCES[("state", dtype)][1],
+    )
 
 
 DECODE_N = 7
 
 
-@pytest.mark.parametrize("shape,gate,dt", [
-    pytest.param(shape, gate, dt, id=f"{shape}-H{SHAPES[shape][0]}-K{SHAPES[shape][1]}-B{DECODE_N}-{gate}-{dt}")
-    for shape in SHAPES for gate in GATES for dt in DTYPES
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "shape,gate,dt",
+    [
+        pytest.param(
+            shape,
+            gate,
+            dt,
+            id=f"{shape}-H{SHAPES[shape][0]}-K{SHAPES[shape][1]}-B{DECODE_N}-{gate}-{dt}",
+        )
+        for shape in SHAPES
+        for gate in GATES
+        for dt in DTYPES
+    ],
+)
 def test_kda_decode_matches_reference(numbers, shape, gate, dt):
     H, K, _ = SHAPES[shape]
     N = DECODE_N
@@ -171,8 +190,9 @@ def test_short_conv_prefill_matches_reference(numbers, shape, dt):
     y_ref, s_ref = R.short_conv(x, w, state, cu)
     y, s = _fla().short_conv(x.cuda(), w.cuda(), state.cuda(), cu, decode=False)
     assert y.dtype == dtype and s.dtype == dtype and s.shape == s_ref.shape
-    numbers.check(f"conv_prefill/{shape}-C{H * K}/{dt}/y", y_ref, y,
-                  rel_rms=TOLERANCES[("conv_y", dtype)][0])  # fmt: skip
+    numbers.check(
+        f"conv_prefill/{shape}-C{H * K}/{dt}/y", y_ref, y, rel_rms=TOLERANCES[("conv_y", dtype)][0]
+    )
     assert torch.equal(s.cpu(), s_ref), "conv state must be an exact copy of the inputs"
 
 
@@ -197,8 +217,12 @@ def test_short_conv_prefill_then_decode_equals_whole(numbers, shape, dt):
         y_step, s = fla.short_conv(x_step, wd, s, list(range(len(lens) + 1)), decode=True)
         ys.append(y_step.split(1))
     y = torch.cat([torch.cat([part[i] for part in ys]) for i in range(len(lens))])
-    numbers.check(f"conv_prefill+decode/{shape}-C{C}/{dt}/y", y_ref, y,
-                  rel_rms=TOLERANCES[("conv_y", dtype)][0])  # fmt: skip
+    numbers.check(
+        f"conv_prefill+decode/{shape}-C{C}/{dt}/y",
+        y_ref,
+        y,
+        rel_rms=TOLERANCES[("conv_y", dtype)][0],
+    )
     assert torch.equal(s.cpu(), s_ref), "conv state after decode differs from the whole conv"
 
 
@@ -213,5 +237,6 @@ def test_gated_rms_norm_matches_reference(numbers, shape, dt):
     y_ref = R.gated_rms_norm(o, z, weight, 1e-5)
     y = _fla().gated_rms_norm(o.cuda(), z.cuda(), weight.cuda(), 1e-5)
     assert y.dtype == dtype and y.shape == y_ref.shape
-    numbers.check(f"gated_norm/{shape}-T{T}/{dt}/y", y_ref, y,
-                  rel_rms=TOLERANCES[("norm_y", dtype)][0])  # fmt: skip
+    numbers.check(
+        f"gated_norm/{shape}-T{T}/{dt}/y", y_ref, y, rel_rms=TOLERANCES[("norm_y", dtype)][0]
+    )

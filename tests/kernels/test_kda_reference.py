@@ -14,8 +14,16 @@ fla_gate = pytest.importorskip("fla.ops.kda.gate")
 def _inputs(T, H=3, K=16, V=12, seed=0):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    return dict(q=r(T, H, K), k=r(T, H, K), v=r(T, H, V), f=r(T, H, K), b=r(T, H),
-                A_log=torch.rand(H, generator=g) * 2, dt_bias=r(H * K), S0=r(H, K, V))  # fmt: skip
+    return dict(
+        q=r(T, H, K),
+        k=r(T, H, K),
+        v=r(T, H, V),
+        f=r(T, H, K),
+        b=r(T, H),
+        A_log=torch.rand(H, generator=g) * 2,
+        dt_bias=r(H * K),
+        S0=r(H, K, V),
+    )
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["k3-bounded", "kimi-linear-softplus"])
@@ -61,13 +69,32 @@ def test_core_varlen_equals_per_sequence():
     cu = [0, 5, 6, 76]
     S0 = torch.randn(3, 3, 16, 12)
     args = dict(lower_bound=-5.0, scale=0.25, chunked=True)
-    o, S = R.kda_core(x["q"], x["k"], x["v"], x["f"], x["b"], x["A_log"], x["dt_bias"],
-                      initial_state=S0, cu_seqlens=cu, **args)  # fmt: skip
+    o, S = R.kda_core(
+        x["q"],
+        x["k"],
+        x["v"],
+        x["f"],
+        x["b"],
+        x["A_log"],
+        x["dt_bias"],
+        initial_state=S0,
+        cu_seqlens=cu,
+        **args,
+    )
     for n in range(3):
         sl = slice(cu[n], cu[n + 1])
-        o_n, S_n = R.kda_core(x["q"][sl], x["k"][sl], x["v"][sl], x["f"][sl], x["b"][sl],
-                              x["A_log"], x["dt_bias"], initial_state=S0[n : n + 1],
-                              cu_seqlens=[0, lens[n]], **args)  # fmt: skip
+        o_n, S_n = R.kda_core(
+            x["q"][sl],
+            x["k"][sl],
+            x["v"][sl],
+            x["f"][sl],
+            x["b"][sl],
+            x["A_log"],
+            x["dt_bias"],
+            initial_state=S0[n : n + 1],
+            cu_seqlens=[0, lens[n]],
+            **args,
+        )
         assert torch.equal(o[sl], o_n) and torch.equal(S[n], S_n[0])
 
 

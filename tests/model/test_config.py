@@ -45,9 +45,12 @@ def test_k3_parameter_counts_match_spec():
 
 @pytest.mark.parametrize(
     "flavor,total,active",
-    [("k3-debug", 4_288_410, 2_983_834), ("k3-slice", 33_388_457_552, 6_780_841_552),
-     ("kimi-linear-debug", 1_490_264, 738_648)],
-)  # fmt: skip
+    [
+        ("k3-debug", 4_288_410, 2_983_834),
+        ("k3-slice", 33_388_457_552, 6_780_841_552),
+        ("kimi-linear-debug", 1_490_264, 738_648),
+    ],
+)
 def test_flavor_counts_match_spec(flavor, total, active):
     m = _meta(flavor)
     assert _count(m) == total
@@ -74,7 +77,9 @@ def test_k3_cache_bytes_match_spec():
     assert mla_bytes_per_token(cfg) == 27_648
     assert kda_state_bytes(cfg, tp_size=8) == 54_263_808
     assert kda_state_bytes(cfg) == 434_110_464
-    cache = StateCache(cfg, range(93), num_slots=1, max_seq_len=10, device="meta", dtype=torch.bfloat16)
+    cache = StateCache(
+        cfg, range(93), num_slots=1, max_seq_len=10, device="meta", dtype=torch.bfloat16
+    )
     conv_w3 = 69 * 3 * 12288 * 3 * 2  # three conv states of W-1 = 3 bf16 columns
     assert cache.bytes_per_slot() == 434_110_464 + conv_w3 + 10 * 27_648
 
@@ -117,7 +122,9 @@ def test_from_hf_rejects_bad_values(edit, match):
 
 
 def test_last_layer_must_be_mla():
-    cfg = dataclasses.replace(get_flavor("k3-slice"), kda_layers=(1, 2, 3, 5, 6, 7, 8), full_attn_layers=(4,))
+    cfg = dataclasses.replace(
+        get_flavor("k3-slice"), kda_layers=(1, 2, 3, 5, 6, 7, 8), full_attn_layers=(4,)
+    )
     with pytest.raises(ValueError, match="last layer"):
         cfg.validate()
 

@@ -65,8 +65,9 @@ def numbers(request):
 def _debug_4l(flavor: str = "k3-debug"):
     """A debug flavor's widths, 4 layers (KDA, KDA, KDA, MLA), with embedding and head."""
     base = get_flavor(flavor)
-    return dataclasses.replace(base, num_hidden_layers=4, kda_layers=(1, 2, 3),
-                               full_attn_layers=(4,)).validate()  # fmt: skip
+    return dataclasses.replace(
+        base, num_hidden_layers=4, kda_layers=(1, 2, 3), full_attn_layers=(4,)
+    ).validate()
 
 
 def _no_tf32_conv():
@@ -95,10 +96,14 @@ def _pin(routes, starts, lens):
     if routes is None:
         return None
     return {
-        layer: torch.cat([ids[n * PROMPT_LEN + s : n * PROMPT_LEN + s + k]
-                          for n, (s, k) in enumerate(zip(starts, lens))])
+        layer: torch.cat(
+            [
+                ids[n * PROMPT_LEN + s : n * PROMPT_LEN + s + k]
+                for n, (s, k) in enumerate(zip(starts, lens))
+            ]
+        )
         for layer, ids in routes.items()
-    }  # fmt: skip
+    }
 
 
 @torch.no_grad()
@@ -106,13 +111,23 @@ def _cached_logits(model: K3Model, ids_BT, dtype, routes=None):
     """Prefill CHUNKS through a StateCache, then NUM_DECODE one-token steps; the logits of
     every position, [2, PROMPT_LEN, V] fp32. routes: pin MoE routing to these (`_full_logits`)."""
     cfg, dev = model.config, ids_BT.device
-    cache = StateCache(cfg, range(cfg.num_hidden_layers), num_slots=4,
-                       max_seq_len=PROMPT_LEN + 8, device=dev, dtype=dtype)  # fmt: skip
+    cache = StateCache(
+        cfg,
+        range(cfg.num_hidden_layers),
+        num_slots=4,
+        max_seq_len=PROMPT_LEN + 8,
+        device=dev,
+        dtype=dtype,
+    )
     slots = [cache.alloc(), cache.alloc()]
     pos, outs = [0, 0], [[], []]
     for lens in CHUNKS:
-        batch = ForwardBatch(seq_lens=list(lens), cached_lens=list(pos), slot_ids=slots,
-                             pinned_routes=_pin(routes, pos, lens))  # fmt: skip
+        batch = ForwardBatch(
+            seq_lens=list(lens),
+            cached_lens=list(pos),
+            slot_ids=slots,
+            pinned_routes=_pin(routes, pos, lens),
+        )
         x = torch.cat([ids_BT[n, pos[n] : pos[n] + lens[n]] for n in range(2)])
         logits = model.forward_batch(x, batch, cache, all_logits=True).split(list(lens))
         for n in range(2):
@@ -120,8 +135,12 @@ def _cached_logits(model: K3Model, ids_BT, dtype, routes=None):
         pos = [p + n for p, n in zip(pos, lens)]
     assert pos == [PROMPT_LEN - NUM_DECODE] * 2
     for _ in range(NUM_DECODE):
-        batch = ForwardBatch(seq_lens=[1, 1], cached_lens=list(pos), slot_ids=slots,
-                             pinned_routes=_pin(routes, pos, [1, 1]))  # fmt: skip
+        batch = ForwardBatch(
+            seq_lens=[1, 1],
+            cached_lens=list(pos),
+            slot_ids=slots,
+            pinned_routes=_pin(routes, pos, [1, 1]),
+        )
         assert batch.is_decode
         logits = model.forward_batch(ids_BT[:, pos[0]], batch, cache)
         for n in range(2):
@@ -161,8 +180,9 @@ def test_debug_4l_fla_matches_fp32_reference(numbers, flavor):
         free = _cached_logits(m, ids_cuda, dtype)
         name = f"{flavor}-4l/{tag}-fla"
         _check_logits(numbers, f"{name}_vs_fp32-ref", logits_ref, full, f"{tag}_vs_fp32")
-        _check_logits(numbers, f"{name}_cached_vs_full/pinned-routes", full, pinned,
-                      f"{tag}_cached_vs_full")  # fmt: skip
+        _check_logits(
+            numbers, f"{name}_cached_vs_full/pinned-routes", full, pinned, f"{tag}_cached_vs_full"
+        )
         free_tol = "bf16_vs_fp32" if tag == "bf16" else "fp32_cached_vs_full"
         _check_logits(numbers, f"{name}_cached_vs_full/free-routes", full, free, free_tol)
         numbers.add(f"{name}_cached_vs_fp32-ref/free-routes", **logit_agreement(logits_ref, free))
@@ -244,8 +264,9 @@ def test_k3_slice_layer_bf16_matches_fp32(numbers, layer_idx, kind):
         b = ForwardBatch.fresh(lens)
         b.pinned_routes, b.routes_out = b_ref.routes_out, {}
         s = layer(Stream([bank.cuda()], partial.cuda()), b)
-        numbers.check(f"{name}/layer_pinned_routes", s_ref.partial, s.partial,
-                      rel_rms=LAYER_REL_RMS)  # fmt: skip
+        numbers.check(
+            f"{name}/layer_pinned_routes", s_ref.partial, s.partial, rel_rms=LAYER_REL_RMS
+        )
 
         b_free = ForwardBatch.fresh(lens)
         b_free.routes_out = {}

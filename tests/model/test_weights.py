@@ -20,11 +20,18 @@ import k3batch
 from k3batch.model import K3Model, get_flavor
 from k3batch.model import weights as weights_mod
 from k3batch.model.mxfp4 import (
-    dequantize_mxfp4, fp4_to_float, pack_fp4, quantize_mxfp4, unpack_fp4,
-)  # fmt: skip
+    dequantize_mxfp4,
+    fp4_to_float,
+    pack_fp4,
+    quantize_mxfp4,
+    unpack_fp4,
+)
 from k3batch.model.weights import (
-    INDEX_FILE, checkpoint_manifest, init_checkpoint, write_checkpoint,
-)  # fmt: skip
+    INDEX_FILE,
+    checkpoint_manifest,
+    init_checkpoint,
+    write_checkpoint,
+)
 
 FLAVORS = ["k3-debug", "kimi-linear-debug"]
 
@@ -112,9 +119,10 @@ def test_weights_k3_bf16_experts_load_under_either_config(model_factory, tmp_pat
     """Experts stored as bf16 load whether or not config.json announces MXFP4."""
     model = model_factory("k3-debug")  # experts_mxfp4=False: written as is, not modified
     write_checkpoint(model, tmp_path, seed=0)
-    assert "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight" in _index(tmp_path)[
-        "weight_map"
-    ]  # fmt: skip
+    assert (
+        "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight"
+        in _index(tmp_path)["weight_map"]
+    )
     want = _as_checkpointed(model)
     config_file = tmp_path / "config.json"
     for announce_mxfp4 in (False, True):
@@ -161,8 +169,10 @@ def test_weights_layout_k3(written):
     assert packed.shape == (32, 12) and packed.dtype == torch.uint8
     config = json.loads((path / "config.json").read_text())
     assert config["model_type"] == "kimi_k3" and "quantization_config" in config
-    assert json.loads((path / "generation_config.json").read_text()) == {"bos_token_id": 256,
-                                                                         "eos_token_id": 258}
+    assert json.loads((path / "generation_config.json").read_text()) == {
+        "bos_token_id": 256,
+        "eos_token_id": 258,
+    }
     assert (path / "tiktoken.model").is_file() and (path / "tokenizer_config.json").is_file()
 
 
@@ -273,8 +283,23 @@ def test_mxfp4_hand_made_byte():
     assert w.shape == (1, 32)
     assert w[0, :2].tolist() == [2.0, -3.0] and not w[0, 2:].any()
     assert fp4_to_float(torch.arange(16, dtype=torch.uint8)).tolist() == [
-        0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-    ]  # fmt: skip
+        0.0,
+        0.5,
+        1.0,
+        1.5,
+        2.0,
+        3.0,
+        4.0,
+        6.0,
+        -0.0,
+        -0.5,
+        -1.0,
+        -1.5,
+        -2.0,
+        -3.0,
+        -4.0,
+        -6.0,
+    ]
 
 
 def test_mxfp4_pack_unpack_roundtrip():
@@ -317,7 +342,9 @@ def test_weights_manifest_k3_count():
     assert total == 2_779_484_478_208
     assert manifest["language_model.model.layers.0.self_attn.A_log"] == ((128,), torch.float32)
     assert manifest["language_model.model.layers.1.block_sparse_moe.experts.895.w2.weight"] == (
-        (3584, 3072), torch.bfloat16)  # fmt: skip
+        (3584, 3072),
+        torch.bfloat16,
+    )
     with torch.device("meta"):
         model = K3Model(config)
     assert sum(p.numel() for p in model.parameters()) == 2_779_484_476_000

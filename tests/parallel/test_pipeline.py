@@ -51,8 +51,9 @@ def test_pipeline_prefill_is_bit_identical(cluster, checkpoint, pp):
     g = torch.Generator().manual_seed(pp)
     prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (13, 29, 7)]
     local = LocalRunner(load_model(checkpoint, dtype=torch.float32), num_slots=3, max_seq_len=64)
-    runner = PipelineRunner(checkpoint, num_stages=pp, num_slots=3, max_seq_len=64, device="cpu",
-                            dtype=torch.float32)  # fmt: skip
+    runner = PipelineRunner(
+        checkpoint, num_stages=pp, num_slots=3, max_seq_len=64, device="cpu", dtype=torch.float32
+    )
     try:
         batches = list(_interleaved_batches(prompts, chunk=5))
         handles = [runner.submit(ids, b, all_logits=True) for ids, b in batches]  # all in flight
@@ -74,8 +75,9 @@ def test_fill_benchmark_runs_and_teaching_model(cluster, checkpoint):
     from k3batch.bench import format_fill_table, pipeline_fill, teaching_fill
 
     assert round(teaching_fill(5, 8), 3) == 0.417  # the blog's 5 chunks over 8 stages
-    rows = pipeline_fill(checkpoint, num_stages=2, chunk_counts=[1, 3], chunk_tokens=4,
-                         device="cpu", repeats=1)  # fmt: skip
+    rows = pipeline_fill(
+        checkpoint, num_stages=2, chunk_counts=[1, 3], chunk_tokens=4, device="cpu", repeats=1
+    )
     assert [r["chunks"] for r in rows] == [1, 3]
     assert all(0 < r["fill"] <= 1 and len(r["busy"]) == 2 for r in rows)
     assert "teaching" in format_fill_table(rows, 2)
