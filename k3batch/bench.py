@@ -97,3 +97,54 @@ def run_pipeline_bench(model_dir, *, num_stages, chunk_counts, chunk_tokens, dev
     finally:
         if started:
             ray.shutdown()
+
+
+def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, new_tokens: int,
+                      chunk_size: int, seed: int = 0) -> dict:  # fmt: skip
+    """Single-device engine speed on random weights made on the device (no checkpoint):
+    prefill tokens/s over `batch` prompts, then decode tokens/s with all of them running."""
+    from k3batch.engine.engine import Engine, EngineConfig
+    from k3batch.engine.request import Phase, SamplingParams
+    from k3batch.model import K3Model, get_flavor
+    from k3batch.model.init import init_random_
+
+    cuda = device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    t0 = time.perf_counter()
+    model = K3Model(get_flavor(flavor), dtype=dtype, device=device)
+    init_random_(model, seed).eval().set_backend("fla" if cuda else "torch")
+    build_s = time.perf_counter() - t0
+    cfg = EngineConfig(max_num_seqs=batch, max_seq_len=prompt_len + new_tokens + 1,
+                       chunk_size=chunk_size, max_batch_tokens=max(chunk_size, 8192))  # fmt: skip
+    engine = Engine(model, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    sp = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+
+    def run():
+        for i in range(batch):
+            engine.add_request(str(i), torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), sp)
+        t = time.perf_counter()
+        engine.step()  # admits everything
+        while any(r.phase is Phase.PREFILL for r in engine.running):
+            engine.step()
+        t_prefill = time.perf_counter() - t
+        steps = 0
+        t = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        return t_prefill, time.perf_counter() - t, steps
+
+    run()  # warm-up: kernel compilation and autotuning
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t_prefill, t_decode, steps = run()
+    return {
+        "flavor": flavor, "device": device, "batch": batch, "prompt_len": prompt_len,
+        "new_tokens": new_tokens, "chunk_size": chunk_size, "build_s": round(build_s, 1),
+        "prefill_tokens_per_s": round(batch * prompt_len / t_prefill, 1),
+        "decode_tokens_per_s": round(batch * (new_tokens - 1) / t_decode, 1),
+        "decode_step_ms": round(1000 * t_decode / max(steps, 1), 2),
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
+    }  # fmt: skip

@@ -173,6 +173,29 @@ def bench_pipeline(model_dir, stages, chunks, chunk_tokens, device, address, jso
             )
 
 
+@bench.command("engine")
+@click.option("--flavor", default="k3-debug", show_default=True)
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--batch", default=8, show_default=True, type=int)
+@click.option("--prompt-len", default=512, show_default=True, type=int)
+@click.option("--new-tokens", default=32, show_default=True, type=int)
+@click.option("--chunk-size", default=2048, show_default=True, type=int)
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, json_path):
+    """Single-device engine throughput on random weights made on the device."""
+    import json
+
+    from k3batch.bench import engine_throughput
+    from k3batch.generate import default_device
+
+    row = engine_throughput(flavor, device=device or default_device(), batch=batch,
+                            prompt_len=prompt_len, new_tokens=new_tokens, chunk_size=chunk_size)
+    click.echo(json.dumps(row))
+    if json_path:
+        with open(json_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 register_job_commands(main)
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Random weights for test checkpoints, scaled so that activations stay O(1) through all
-layers and logits are neither flat nor one-hot. Deterministic for a given generator.
+layers and logits are neither flat nor one-hot. Deterministic for a given seed and device.
 
 Rules: projections N(0, 1/fan_in); projections that write into the stream are scaled down by
 0.5; norms 1 + N(0, 0.1) (so a swapped norm is visible); AttnRes pseudo-queries N(0, 1/D)
@@ -18,10 +18,11 @@ _OUT_PROJ = ("o_proj", "down_proj", "w2", "routed_expert_up_proj")
 
 @torch.no_grad()
 def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
-    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device  # draw where the weights live (GPU: seconds)
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def normal(shape, std, mean=0.0):
-        return torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean
+        return torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * std + mean
 
     for name, p in model.named_parameters():
         leaf = name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1]
@@ -33,7 +34,7 @@ def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
         elif leaf == "embed_tokens":
             val = normal(shape, 1.0)
         elif leaf == "A_log":
-            val = torch.rand(shape, generator=gen).mul(15).add(1).log()
+            val = torch.rand(shape, generator=gen, device=device).mul(15).add(1).log()
         elif leaf == "dt_bias":
             val = normal(shape, 0.5, -1.0)
         elif leaf == "e_score_correction_bias":
