@@ -1,0 +1,395 @@
+"""Decode ranks of a TP group with DCP against one device, in worker processes (gloo, fp32, CPU).
+
+One fp32 random model prefills three prompts on one device; each request's cache is resharded
+to every rank (`reshard_request`), the rank models get `shard_full_state_dict` weights, and the
+ranks decode with the single device's greedy tokens as inputs (teacher forcing) and its expert
+choices pinned. k3-debug has 2 KDA and 2 MLA heads, so TP 4 runs "k3-debug-h4" (the same model
+with 4 of each). Exact (torch.equal): the handoff (reshard, gather back, stored slots, untouched
+neighbours) and agreement between ranks (all-gathered logits, the same bits on every rank).
+Close: TP and DCP change the order of fp32 sums (all-reduces, the expert combine, the LSE merge
+of attention partials), and the random 93-layer model amplifies a 1e-7 relative change about
+1000-fold (see tests/engine/test_engine.py). Measured (CPU, torch 2.13, 6 to 8 pinned steps):
+logits max abs 0.7e-4 to 1.8e-4 and rel RMS 1.2e-5 to 1.9e-5 for k3-debug at TP 2/4 and DCP
+1/2/4 (1.9e-5 and 2.1e-6 for kimi-linear-debug); caches after decode max abs <= 4.8e-4, rel RMS
+per tensor <= 1.9e-4. Bounds: logits max abs 2e-3 and rel RMS 2e-4, cache tensors max abs 2e-3
+and rel RMS 1e-3 (about 10x headroom). With free routing (TP 2 with DCP 2, both models; TP 4
+is left out for test time), greedy tokens over 16 steps must equal the single device's.
+"""
+
+import dataclasses
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from k3batch.cache.state_cache import StateCache
+from k3batch.model import K3Model, get_flavor
+from k3batch.model.forward_batch import ForwardBatch
+from k3batch.model.init import init_random_
+from k3batch.parallel.context import merge_lse, partial_attention
+from k3batch.parallel.group import ParallelGroup, ParallelLayout, create_groups
+from k3batch.parallel.handoff import (
+    handoff_bytes,
+    reshard_request,
+    unshard_request,
+    write_request_,
+)
+from k3batch.parallel.tp import (
+    build_rank_model,
+    load_rank_weights_,
+    rank_cache,
+    shard_full_state_dict,
+)
+from k3batch.testing import assert_close
+
+PROMPT_LENS = (5, 12, 19)
+PINNED_STEPS, FREE_STEPS = 6, 16
+MAX_SEQ_LEN = 48
+LOGIT_MAX_ABS, LOGIT_REL_RMS = 2e-3, 2e-4
+CACHE_MAX_ABS, CACHE_REL_RMS = 2e-3, 1e-3
+RANK_SLOTS = [2, 0, 3]  # the ranks store the requests in other slots than the single device
+
+
+def _request_cache(cache: StateCache, slot: int, num_tokens: int) -> dict:
+    return {
+        "kda_state": {i: t[slot].clone() for i, t in cache.kda_state.items()},
+        "kda_conv": {i: t[slot].clone() for i, t in cache.kda_conv.items()},
+        "mla_latent": {i: t[slot, :num_tokens].clone() for i, t in cache.mla_latent.items()},
+    }
+
+
+@dataclasses.dataclass
+class Reference:
+    model: K3Model
+    before: list[dict]  # per request: cache after prefill
+    after: list[dict]  # per request: cache after PINNED_STEPS decode steps
+    tokens: torch.Tensor  # [FREE_STEPS + 1, B]: decode inputs (greedy tokens)
+    logits: torch.Tensor  # [FREE_STEPS, B, V]
+    routes: list[dict]  # per step: {layer: [B, top_k] expert ids}
+
+
+_REFERENCES = {}
+
+
+def _config(name: str):
+    """A flavor, or "k3-debug-h4": k3-debug with 4 KDA and 4 MLA heads (k3-debug has 2 of each,
+    which TP 4 cannot split)."""
+    if name == "k3-debug-h4":
+        return dataclasses.replace(get_flavor("k3-debug"), kda_num_heads=4, num_attention_heads=4)
+    return get_flavor(name)
+
+
+def _reference(name: str) -> Reference:
+    """Prefill the prompts (one chunk each), then FREE_STEPS greedy decode steps, on one device."""
+    if name in _REFERENCES:
+        return _REFERENCES[name]
+    model = init_random_(K3Model(_config(name), dtype=torch.float32), seed=0).eval()
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 256, (n,), generator=g) for n in PROMPT_LENS]
+    cache = StateCache(
+        model.config,
+        range(model.config.num_hidden_layers),
+        num_slots=len(prompts),
+        max_seq_len=MAX_SEQ_LEN,
+        device="cpu",
+        dtype=torch.float32,
+    )
+    B = len(prompts)
+    with torch.no_grad():
+        b = ForwardBatch(seq_lens=list(PROMPT_LENS), cached_lens=[0] * B, slot_ids=list(range(B)))
+        tokens = [model.forward_batch(torch.cat(prompts), b, cache).argmax(-1)]
+        before = [_request_cache(cache, s, n) for s, n in enumerate(PROMPT_LENS)]
+        logits, routes = [], []
+        for t in range(FREE_STEPS):
+            b = ForwardBatch(
+                seq_lens=[1] * B,
+                cached_lens=[n + t for n in PROMPT_LENS],
+                slot_ids=list(range(B)),
+                routes_out={},
+            )
+            logits.append(model.forward_batch(tokens[-1], b, cache))
+            tokens.append(logits[-1].argmax(-1))
+            routes.append(b.routes_out)
+            if t + 1 == PINNED_STEPS:
+                after = [
+                    _request_cache(cache, s, n + PINNED_STEPS) for s, n in enumerate(PROMPT_LENS)
+                ]
+    ref = Reference(model, before, after, torch.stack(tokens), torch.stack(logits), routes)
+    _REFERENCES[name] = ref
+    return ref
+
+
+# ---- worker processes --------------------------------------------------------------------------
+
+
+def _decode(model, cache, data, *, pinned: bool):
+    """Decode steps on a rank: teacher-forced and pinned, or free (own greedy tokens)."""
+    B = len(PROMPT_LENS)
+    tokens = data["tokens"][0]
+    logits, out_tokens = [], []
+    for t in range(PINNED_STEPS if pinned else FREE_STEPS):
+        b = ForwardBatch(
+            seq_lens=[1] * B,
+            cached_lens=[n + t for n in PROMPT_LENS],
+            slot_ids=RANK_SLOTS,
+            pinned_routes=data["routes"][t] if pinned else None,
+        )
+        with torch.no_grad():
+            logits.append(model.forward_batch(tokens, b, cache))
+        out_tokens.append(logits[-1].argmax(-1))
+        tokens = data["tokens"][t + 1] if pinned else out_tokens[-1]
+    return torch.stack(logits), torch.stack(out_tokens)
+
+
+def _worker(rank: int, world: int, port: int, in_path: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        data = torch.load(in_path, weights_only=False)
+        config = data["config"]
+        results = {}
+        for dcp in data["dcp_sizes"]:
+            layout = ParallelLayout(tp_size=world, dcp_size=dcp)
+            tp, dcp_group = create_groups(layout)
+            model = build_rank_model(
+                config, layout, tp, dcp_group, dtype=torch.float32, device="cpu"
+            )
+            model.load_state_dict(data["shards"][rank], strict=True)
+            out = {}
+            for pinned in (True, False) if dcp == data["free_dcp"] else (True,):
+                cache = rank_cache(
+                    config,
+                    layout,
+                    rank,
+                    num_slots=4,
+                    max_seq_len=MAX_SEQ_LEN,
+                    device="cpu",
+                    dtype=torch.float32,
+                )
+                for slot, pieces in zip(RANK_SLOTS, data["pieces"][dcp][rank]):
+                    write_request_(cache, slot, pieces)
+                logits, tokens = _decode(model, cache, data, pinned=pinned)
+                if pinned:
+                    out["logits"] = logits
+                    out["cache"] = [_request_cache(cache, s, cache.max_seq_len) for s in RANK_SLOTS]
+                else:
+                    out["tokens"] = tokens
+            results[dcp] = out
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# (model, tp_size, DCP sizes run in one set of workers, the DCP size that also runs free
+# routing; None: none, to keep TP 4 on two CPU cores within the test-time budget)
+CASES = [
+    pytest.param("k3-debug", 2, (1, 2), 2, id="k3-debug-tp2-dcp1,2"),
+    pytest.param("k3-debug-h4", 4, (1, 2, 4), None, id="k3-debug-h4-tp4-dcp1,2,4"),
+    pytest.param("kimi-linear-debug", 2, (2,), 2, id="kimi-linear-debug-tp2-dcp2"),
+]
+
+
+@pytest.mark.parametrize("model_name, tp_size, dcp_sizes, free_dcp", CASES)
+def test_rank_decode_matches_one_device(tmp_path, model_name, tp_size, dcp_sizes, free_dcp):
+    ref = _reference(model_name)
+    config = ref.model.config
+    pieces = {
+        dcp: [
+            [reshard_request(c, config, ParallelLayout(tp_size=tp_size, dcp_size=dcp), r)
+             for c in ref.before]
+            for r in range(tp_size)
+        ]
+        for dcp in dcp_sizes
+    }  # fmt: skip
+    layout = ParallelLayout(tp_size=tp_size)
+    data = {
+        "config": config,
+        "dcp_sizes": dcp_sizes,
+        "free_dcp": free_dcp,
+        "shards": [shard_full_state_dict(ref.model, layout, r) for r in range(tp_size)],
+        "pieces": pieces,
+        "tokens": ref.tokens,
+        "routes": ref.routes,
+    }
+    torch.save(data, tmp_path / "inputs.pt")
+    args = (tp_size, _free_port(), str(tmp_path / "inputs.pt"), str(tmp_path))
+    mp.spawn(_worker, args=args, nprocs=tp_size, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(tp_size)]
+    for dcp in dcp_sizes:
+        name = f"{model_name}-tp{tp_size}-dcp{dcp}"
+        out = results[0][dcp]
+        for r in range(1, tp_size):  # logits are all-gathered: the same bits everywhere
+            assert torch.equal(results[r][dcp]["logits"], out["logits"]), (name, r)
+        m = assert_close(
+            f"{name} logits",
+            ref.logits[:PINNED_STEPS],
+            out["logits"],
+            rel_rms=LOGIT_REL_RMS,
+            max_abs=LOGIT_MAX_ABS,
+        )
+        print(f"{name}: logits rel_rms {m['rel_rms']:.2e} max_abs {m['max_abs']:.2e}")
+        if dcp == free_dcp:
+            assert torch.equal(out["tokens"], ref.tokens[1:]), f"{name}: free greedy tokens differ"
+        layout = ParallelLayout(tp_size=tp_size, dcp_size=dcp)
+        cache_err = cache_rel = 0.0
+        for r in range(tp_size):
+            for b, full in enumerate(ref.after):
+                want = reshard_request(full, config, layout, r)
+                got = results[r][dcp]["cache"][b]
+                for kind, layers in want.items():
+                    for i, t in layers.items():
+                        stored = got[kind][i][: t.shape[0]]
+                        c = assert_close(
+                            f"{name} rank {r} {kind}[{i}]",
+                            t,
+                            stored,
+                            rel_rms=CACHE_REL_RMS,
+                            max_abs=CACHE_MAX_ABS,
+                        )
+                        cache_err = max(cache_err, c["max_abs"])
+                        cache_rel = max(cache_rel, c["rel_rms"])
+        print(f"{name}: cache rel_rms {cache_rel:.2e} max_abs {cache_err:.2e}")
+
+
+# ---- single-process tests ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp_size, dcp_size", [(2, 1), (2, 2), (4, 2), (4, 4)])
+def test_handoff_is_exact(tp_size, dcp_size):
+    ref = _reference("k3-debug" if tp_size == 2 else "k3-debug-h4")
+    config = ref.model.config
+    layout = ParallelLayout(tp_size=tp_size, dcp_size=dcp_size)
+    for b, full in enumerate(ref.before):
+        pieces = [reshard_request(full, config, layout, r) for r in range(tp_size)]
+        back = unshard_request(pieces, layout)
+        for kind, layers in full.items():
+            assert sorted(back[kind]) == sorted(layers)
+            for i, t in layers.items():
+                assert torch.equal(back[kind][i], t), (kind, i)
+        for r, p in enumerate(pieces):
+            cache = rank_cache(
+                config, layout, r, num_slots=3, max_seq_len=MAX_SEQ_LEN, device="cpu",
+                dtype=torch.float32,
+            )  # fmt: skip
+            for kind in p:  # poison: unused slots must stay untouched
+                for t in getattr(cache, kind).values():
+                    t.fill_(1e30)
+            write_request_(cache, 1, p)
+            heads = config.kda_num_heads // tp_size
+            channels = heads * config.kda_head_dim
+            for i, t in full["kda_state"].items():
+                assert torch.equal(cache.kda_state[i][1], t[r * heads : (r + 1) * heads])
+            for i, t in full["kda_conv"].items():
+                assert torch.equal(cache.kda_conv[i][1], t[:, r * channels : (r + 1) * channels])
+            for i, t in full["mla_latent"].items():
+                rows = t[r % dcp_size :: dcp_size]
+                assert torch.equal(cache.mla_latent[i][1, : rows.shape[0]], rows)
+            for kind in p:
+                for t in getattr(cache, kind).values():
+                    assert bool((t[0] == 1e30).all() and (t[2] == 1e30).all())
+        total = sum(handoff_bytes(p) for p in pieces[:dcp_size])  # one DCP group holds MLA once
+        kda = sum(handoff_bytes({k: full[k]}) for k in ("kda_state", "kda_conv"))
+        assert total == kda * dcp_size // tp_size + handoff_bytes(
+            {"mla_latent": full["mla_latent"]}
+        )
+    # a subset of layers (one pipeline stage) reshards on its own
+    stage = {k: {i: t for i, t in v.items() if i < 12} for k, v in ref.before[0].items()}
+    piece = reshard_request(stage, config, layout, tp_size - 1)
+    assert all(i < 12 for v in piece.values() for i in v) and piece["kda_state"]
+
+
+def test_merge_lse_equals_softmax_over_all_tokens():
+    g = torch.Generator().manual_seed(0)
+    B, H, S, L, R, M = 3, 4, 11, 32, 8, 4
+    q = torch.randn(B, H, L + R, generator=g)
+    latent = torch.randn(B, S, L + R, generator=g)
+    lens = torch.tensor([11, 2, 6])  # sequence 1: DCP ranks 2 and 3 hold no token
+    scale = 0.2
+    scores = torch.einsum("bhc,bsc->bhs", q, latent) * scale
+    scores = scores.masked_fill(torch.arange(S)[None, None] >= lens[:, None, None], float("-inf"))
+    want = torch.einsum("bhs,bsl->bhl", torch.softmax(scores, -1), latent[..., :L])
+    outs, lses = [], []
+    for d in range(M):
+        local = latent[:, d::M]
+        num_local = ((lens - d - 1) // M + 1).clamp_min(0)
+        mask = torch.arange(local.shape[1])[None] >= num_local[:, None]
+        o, lse = partial_attention(q, local, mask, kv_lora=L, scale=scale)
+        outs.append(o)
+        lses.append(lse)
+    assert torch.isinf(lses[3][1]).all()
+    got, lse = merge_lse(torch.stack(outs), torch.stack(lses))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1), rtol=0, atol=1e-5)
+
+
+def test_layout_validate_errors():
+    config = get_flavor("k3-debug")
+    ParallelLayout(tp_size=2, dcp_size=2).validate(config)
+    with pytest.raises(ValueError, match="dcp_size = 3 must divide tp_size = 4"):
+        ParallelLayout(tp_size=4, dcp_size=3).validate()
+    with pytest.raises(ValueError, match="tp_size = 3 does not divide kda_num_heads = 2"):
+        ParallelLayout(tp_size=3).validate(config)
+    wide = dataclasses.replace(config, kda_num_heads=8, num_attention_heads=8, num_experts=16)
+    with pytest.raises(ValueError, match="tp_size = 4 does not divide num_experts = 6"):
+        ParallelLayout(tp_size=4).validate(dataclasses.replace(wide, num_experts=6))
+    with pytest.raises(ValueError, match="tp_size = 4 does not divide num_attention_heads = 2"):
+        ParallelLayout(tp_size=4).validate(dataclasses.replace(wide, num_attention_heads=2))
+    with pytest.raises(ValueError, match="tp_size = 8 does not divide vocab_size = 516"):
+        ParallelLayout(tp_size=8).validate(dataclasses.replace(wide, vocab_size=516))
+    with pytest.raises(ValueError, match="intermediate_size = 132"):
+        ParallelLayout(tp_size=8).validate(dataclasses.replace(wide, intermediate_size=132))
+    with pytest.raises(ValueError, match="must be >= 1"):
+        ParallelLayout(tp_size=0).validate()
+    with pytest.raises(RuntimeError, match="detached"):
+        ParallelGroup.detached(1, 2).all_reduce(torch.zeros(1))
+
+
+def test_rank_model_prefill_with_dcp_raises():
+    config = get_flavor("kimi-linear-debug")
+    layout = ParallelLayout(tp_size=2, dcp_size=2)
+    tp, dcp = ParallelGroup.detached(0, 2), ParallelGroup.detached(0, 2)
+    model = build_rank_model(config, layout, tp, dcp, dtype=torch.float32, device="cpu")
+    cache = rank_cache(config, layout, 0, num_slots=1, max_seq_len=8, device="cpu",
+                       dtype=torch.float32)  # fmt: skip
+    with pytest.raises(ValueError, match="decode only"):
+        model.forward_batch(torch.zeros(2, dtype=torch.long), ForwardBatch([2], [0], [0]), cache)
+    with pytest.raises(ValueError, match="decode only"):  # the MLA layer checks on its own too
+        model.model.layers["3"].self_attn(
+            torch.zeros(2, config.hidden_size), ForwardBatch([2], [0], [0]), cache
+        )
+
+
+def test_load_rank_weights_reads_the_shards(tmp_path):
+    from k3batch.model.loader import load_model
+    from k3batch.model.weights import init_checkpoint
+
+    init_checkpoint("k3-debug", tmp_path, seed=0)  # MXFP4 experts, bf16 tensors
+    full = load_model(tmp_path, dtype=torch.float32)
+    for tp_size in (1, 2):  # k3-debug's 2 heads allow no more
+        layout = ParallelLayout(tp_size=tp_size, dcp_size=tp_size)
+        for r in range(tp_size):
+            tp, dcp = ParallelGroup.detached(r, tp_size), ParallelGroup.detached(r, tp_size)
+            model = build_rank_model(
+                full.config, layout, tp, dcp, dtype=torch.float32, device="cpu"
+            )
+            load_rank_weights_(model, tmp_path, layout, r)
+            want = shard_full_state_dict(full, layout, r)
+            got = model.state_dict()
+            assert sorted(got) == sorted(want)
+            for name, t in want.items():
+                assert torch.equal(got[name], t), (tp_size, r, name)
