@@ -123,7 +123,9 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
 
     def run():
         for i in range(batch):
-            engine.add_request(str(i), torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), sp)
+            engine.add_request(
+                str(i), torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), sp
+            )
         t = time.perf_counter()
         engine.step()  # admits everything
         while any(r.phase is Phase.PREFILL for r in engine.running):

@@ -188,8 +188,14 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, json
     from k3batch.bench import engine_throughput
     from k3batch.generate import default_device
 
-    row = engine_throughput(flavor, device=device or default_device(), batch=batch,
-                            prompt_len=prompt_len, new_tokens=new_tokens, chunk_size=chunk_size)
+    row = engine_throughput(
+        flavor,
+        device=device or default_device(),
+        batch=batch,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        chunk_size=chunk_size,
+    )
     click.echo(json.dumps(row))
     if json_path:
         with open(json_path, "a") as f:

@@ -91,7 +91,8 @@ def run_job(spec: JobSpec, *, progress_stream=None) -> JobReport:
 
     started_ray = not ray.is_initialized()
     if started_ray:
-        local_cpus = spec.replicas.num_replicas * (spec.replicas.pp + 1) + 2  # logical
+        r = spec.replicas
+        local_cpus = r.num_replicas * (r.pp + r.tp + 1) + 2  # logical CPUs
         ray.init(
             address=spec.address,
             num_cpus=None if spec.address else local_cpus,
@@ -119,6 +120,7 @@ def run_job(spec: JobSpec, *, progress_stream=None) -> JobReport:
         report.stage_s["generate"] = max(s["busy_s"] for s in busy)
         report.rows_per_replica = [s["rows"] for s in busy]
         report.pipeline = [s["pipeline"] for s in busy if "pipeline" in s]
+        report.decode_groups = [s["decode_group"] for s in busy if "decode_group" in s]
     finally:
         for actor in replicas:
             ray.kill(actor)
@@ -157,18 +159,21 @@ def _committed_ids(sink: ShardSink, done, spec: JobSpec) -> set[str]:
 
 
 def _start_replicas(spec: JobSpec, device: str):
-    """One placement group per replica and one replica actor in its first bundle. pp = 1: one
-    bundle with the replica's devices (STRICT_PACK). pp > 1: the replica (a light coordinator)
-    plus one bundle per pipeline stage (PACK: stages may span nodes). GPU and accelerator-type
-    requests let an autoscaler see the demand."""
+    """One placement group per replica and one replica actor in its first bundle.
+    pp = tp = 1: one bundle with the replica's device(s) (STRICT_PACK). Otherwise the replica is
+    a light coordinator, followed by one bundle (one device) per pipeline stage and one per
+    decode rank (PACK). GPU and accelerator-type requests let an autoscaler see the demand."""
     r = spec.replicas
-    gpus = (r.num_gpus if r.num_gpus is not None else r.pp * r.tp) if device == "cuda" else 0
-    accel = {f"accelerator_type:{r.accelerator_type}": 0.001} if r.accelerator_type and gpus else {}
-    if r.pp == 1:
+    cuda = device == "cuda"
+    accel = {f"accelerator_type:{r.accelerator_type}": 0.001} if r.accelerator_type and cuda else {}
+    single = r.pp == 1 and r.tp == 1
+    if single:
+        gpus = (r.num_gpus if r.num_gpus is not None else 1) if cuda else 0
         bundles, strategy = [{"CPU": 1, "GPU": gpus, **accel}], "STRICT_PACK"
     else:
-        stage = {"CPU": 1, "GPU": gpus / r.pp, **accel}
-        bundles, strategy = [{"CPU": 1}] + [stage] * r.pp, "PACK"
+        gpus = 0
+        worker = {"CPU": 1, "GPU": 1 if cuda else 0, **accel}
+        bundles, strategy = [{"CPU": 1}] + [worker] * (r.pp + (r.tp if r.tp > 1 else 0)), "PACK"
     bundles = [{k: v for k, v in b.items() if v} for b in bundles]
     groups = [placement_group(bundles, strategy=strategy) for _ in range(r.num_replicas)]
     for pg in groups:
@@ -178,7 +183,7 @@ def _start_replicas(spec: JobSpec, device: str):
     actors = [
         actor_cls.options(
             num_cpus=1,
-            num_gpus=gpus if r.pp == 1 else 0,
+            num_gpus=gpus,
             max_restarts=r.max_retries,
             max_task_retries=0,
             max_concurrency=64,
@@ -192,8 +197,9 @@ def _start_replicas(spec: JobSpec, device: str):
             device,
             pp=r.pp,
             pp_layers=r.pp_layers,
-            placement_group=pg,
-            gpus_per_stage=gpus / r.pp,
+            tp=r.tp,
+            dcp=r.dcp,
+            placement_group=None if single else pg,
         )
         for i, pg in enumerate(groups)
     ]

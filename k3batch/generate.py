@@ -25,11 +25,13 @@ def build_engine(
     dtype: torch.dtype | None = None,
     pp: int = 1,
     pp_layers=None,
+    tp: int = 1,
+    dcp: int = 1,
     placement_group=None,
-    gpus_per_stage: float = 0,
 ) -> tuple[Engine, Tokenizer]:
-    """An engine on this device (pp = 1), or over a pipeline of pp stage actors (Ray), whose
-    stages go in bundles 1..pp of `placement_group` when one is given."""
+    """An engine on this device (pp = tp = 1), or a disaggregated one: a prefill pipeline of pp
+    stage actors and, with tp > 1, a decode group of tp rank actors (Ray). Stages go in
+    bundles 1..pp of `placement_group` and decode ranks in the next tp bundles."""
     device = device or default_device()
     dtype = dtype or default_dtype(device)
     if device == "cpu":
@@ -37,27 +39,37 @@ def build_engine(
         # only spin (10x slower on a busy 2-core machine).
         torch.set_num_threads(1)
     tokenizer = Tokenizer.from_dir(model_dir)
-    if pp == 1:
-        model, runner = load_model(model_dir, dtype=dtype, device=device), None
-    else:
-        from k3batch.actors.pipeline import PipelineRunner
+    stops = tuple(tokenizer.stop_token_ids) or None
+    if pp == 1 and tp == 1:
+        model = load_model(model_dir, dtype=dtype, device=device)
+        return Engine(model, engine_config, eos_token_ids=stops), tokenizer
+    from k3batch.actors.decode import DecodeGroupRunner
+    from k3batch.actors.pipeline import PipelineRunner
+    from k3batch.parallel.group import ParallelLayout
 
-        model = None
-        runner = PipelineRunner(
-            model_dir,
-            num_stages=pp,
-            num_slots=engine_config.max_num_seqs,
-            max_seq_len=engine_config.max_seq_len,
-            device=device,
-            dtype=dtype,
-            stage_sizes=list(pp_layers) if pp_layers else None,
-            placement_group=placement_group,
-            first_bundle=1,
-            num_gpus_per_stage=gpus_per_stage,
-        )
-    engine = Engine(
-        model, engine_config, runner=runner, eos_token_ids=tuple(tokenizer.stop_token_ids) or None
+    gpus = 1 if device == "cuda" else 0
+    shared = dict(
+        num_slots=engine_config.max_num_seqs,
+        max_seq_len=engine_config.max_seq_len,
+        device=device,
+        dtype=dtype,
+        placement_group=placement_group,
     )
+    runner = PipelineRunner(
+        model_dir,
+        num_stages=pp,
+        first_bundle=1,
+        num_gpus_per_stage=gpus,
+        stage_sizes=list(pp_layers) if pp_layers else None,
+        **shared,
+    )
+    decode = None
+    if tp > 1:
+        layout = ParallelLayout(tp_size=tp, dcp_size=dcp)
+        decode = DecodeGroupRunner(
+            model_dir, layout, first_bundle=1 + pp, gpus_per_rank=gpus, **shared
+        )
+    engine = Engine(None, engine_config, runner=runner, decode_runner=decode, eos_token_ids=stops)
     return engine, tokenizer
 
 

@@ -93,12 +93,10 @@ class JobSpec:
             raise ValueError(f"replicas.max_retries = {r.max_retries} must be >= 0")
         if r.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"replicas.device = {r.device!r}; expected auto, cpu or cuda")
-        if (r.tp, r.dcp) != (1, 1):
-            raise ValueError(
-                f"replicas: tp = {r.tp}, dcp = {r.dcp}: tensor-parallel decode groups are not "
-                "implemented yet (tp = dcp = 1)"
-            )
         cfg = K3Config.from_hf(self.model)
+        from k3batch.parallel.group import ParallelLayout
+
+        _prefixed("replicas", lambda: ParallelLayout(tp_size=r.tp, dcp_size=r.dcp).validate(cfg))
         _prefixed(
             "replicas",
             lambda: split_layers(cfg.num_hidden_layers, r.pp, cfg.attn_res_block_size, r.pp_layers),

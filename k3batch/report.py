@@ -28,6 +28,7 @@ class JobReport:
     peak_open_units: int = 0  # units held in driver memory at once (bounded by design)
     peak_inflight_rows: int = 0  # rows dispatched to one replica and not yet returned
     pipeline: list[dict] = field(default_factory=list)  # per replica with pp > 1: busy, bubble
+    decode_groups: list[dict] = field(default_factory=list)  # per replica with tp > 1: handoffs
     stage_s: dict[str, float] = field(
         default_factory=lambda: {
             "startup": 0.0,
@@ -65,6 +66,12 @@ class JobReport:
         for i, p in enumerate(self.pipeline):
             busy = " ".join(f"{b:.0%}" for b in p["busy"])
             lines.append(f"replica {i} pipeline: stage busy {busy}; bubble {p['bubble']:.0%}")
+        for i, d in enumerate(self.decode_groups):
+            per_req = sum(d["handoff_bytes_per_rank"]) / max(d["handoffs"], 1)
+            lines.append(
+                f"replica {i} handoff: {d['handoffs']} requests, {per_req:,.0f} B each "
+                f"(per rank {d['handoff_bytes_per_rank']})"
+            )
         if self.replica_failures:
             lines.append(
                 f"replica failures: {self.replica_failures}, rows retried: {self.rows_retried}"

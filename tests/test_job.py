@@ -40,6 +40,8 @@ def _spec(model_dir, inp, out, **kw) -> JobSpec:
             device="cpu",
             max_inflight_rows=kw.pop("inflight", 8),
             pp=kw.pop("pp", 1),
+            tp=kw.pop("tp", 1),
+            dcp=kw.pop("dcp", 1),
         ),
         engine=EngineConfig(max_num_seqs=kw.pop("max_num_seqs", 8), max_seq_len=128, chunk_size=64),
     )
@@ -150,7 +152,8 @@ def _write_in(t, table):
         (lambda s, t: replace(s, model=str(t)), "config.json"),
         (lambda s, t: replace(s, replicas=ReplicaSpec(pp=94)), "pp = 94"),
         (lambda s, t: replace(s, replicas=ReplicaSpec(pp=2, pp_layers=(40, 40))), "summing to 93"),
-        (lambda s, t: replace(s, replicas=ReplicaSpec(tp=2)), "tp = 2"),
+        (lambda s, t: replace(s, replicas=ReplicaSpec(tp=3)), "tp_size = 3"),
+        (lambda s, t: replace(s, replicas=ReplicaSpec(tp=2, dcp=4)), "dcp"),
         (lambda s, t: replace(s, input=InputSpec(path=str(t / "nothing*.parquet"))), "nothing"),
     ],
     ids=[
@@ -165,6 +168,7 @@ def _write_in(t, table):
         "pp-too-large",
         "pp-layers",
         "tp",
+        "dcp",
         "no-input-files",
     ],
 )
@@ -320,23 +324,28 @@ def test_job_submitted_through_ray_jobs_completes(cluster, model_dir, tmp_path):
     assert pq.read_table(tmp_path / "out").num_rows == 5
 
 
-def test_pipeline_job_writes_the_same_tokens(cluster, model_dir, tmp_path):
+@pytest.mark.parametrize("pp,tp,dcp", [(4, 1, 1), (4, 2, 2)], ids=["pp4", "pp4-tp2-dcp2"])
+def test_parallel_job_writes_the_same_tokens(cluster, model_dir, tmp_path, pp, tp, dcp):
     inp = tmp_path / "in.parquet"
     pq.write_table(pa.table({"id": [f"r{i}" for i in range(8)], "prompt": _prompts(8, 11)}), inp)
     ref = _reference(model_dir, inp, tmp_path)
-    report = run_job(
-        _spec(
-            model_dir,
-            inp,
-            tmp_path / "out",
-            name="pp4",
-            batch_rows=3,
-            max_new_tokens=6,
-            max_num_seqs=1,
-            pp=4,
-        )
+    spec = _spec(
+        model_dir,
+        inp,
+        tmp_path / "out",
+        name=f"pp{pp}-tp{tp}",
+        batch_rows=3,
+        max_new_tokens=6,
+        max_num_seqs=1,
+        pp=pp,
+        tp=tp,
+        dcp=dcp,
     )
+    report = run_job(spec)
     rows = pq.read_table(tmp_path / "out").to_pylist()
     assert {r["id"]: r["output_token_ids"] for r in rows} == ref
     (pipe,) = report.pipeline
-    assert len(pipe["busy"]) == 4 and 0 <= pipe["bubble"] < 1
+    assert len(pipe["busy"]) == pp and 0 <= pipe["bubble"] < 1
+    if tp > 1:
+        (group,) = report.decode_groups
+        assert group["handoffs"] == 8 and min(group["handoff_bytes_per_rank"]) > 0

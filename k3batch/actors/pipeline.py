@@ -73,6 +73,16 @@ class PipelineRunner:
     def wait(self, refs):
         return ray.get(refs)[-1]  # ray.get on every stage: a failing stage raises here
 
+    def export_request(self, slot: int, num_tokens: int, layout) -> list[list]:
+        """Per decode rank, the object refs of its pieces from every stage."""
+        n = layout.tp_size
+        refs = [
+            s.export_request.options(num_returns=n).remote(slot, num_tokens, layout)
+            for s in self.stages
+        ]
+        refs = [r if n > 1 else [r] for r in refs]
+        return [[stage_refs[r] for stage_refs in refs] for r in range(n)]
+
     def cache_tensors(self, slot_ids: list[int]) -> dict:
         """Every stage's cache for the slots, merged by layer."""
         merged = {"kda_state": {}, "kda_conv": {}, "mla_latent": {}}

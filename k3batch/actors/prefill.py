@@ -17,7 +17,9 @@ import torch.distributed as dist
 
 from k3batch.cache.state_cache import StateCache
 from k3batch.model.forward_batch import ForwardBatch
+from k3batch.engine.runner import request_cache
 from k3batch.model.loader import load_model
+from k3batch.parallel.handoff import reshard_request
 from k3batch.parallel.pipeline import bank_size, pack_stream, unpack_stream
 
 
@@ -107,6 +109,13 @@ class PrefillStageActor:
             self._send[0].wait()
         self._send = (dist.isend(packed, dst=self.rank + 1), packed)
         return None
+
+    def export_request(self, slot: int, num_tokens: int, layout) -> list[dict]:
+        """This stage's layers of one request, resharded for each decode rank (call with
+        num_returns = tp_size: one object per rank, fetched by that rank directly)."""
+        full = request_cache(self.cache, slot, num_tokens)
+        pieces = [reshard_request(full, self.config, layout, r) for r in range(layout.tp_size)]
+        return pieces if len(pieces) > 1 else pieces[0]
 
     def cache_tensors(self, slot_ids: list[int]) -> dict:
         """This stage's cache for the given slots (tests compare them with one device)."""

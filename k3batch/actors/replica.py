@@ -30,8 +30,9 @@ class ReplicaActor:
         *,
         pp: int = 1,
         pp_layers=None,
+        tp: int = 1,
+        dcp: int = 1,
         placement_group=None,
-        gpus_per_stage: float = 0,
     ):
         from k3batch.generate import build_engine
 
@@ -42,8 +43,9 @@ class ReplicaActor:
             device=device,
             pp=pp,
             pp_layers=pp_layers,
+            tp=tp,
+            dcp=dcp,
             placement_group=placement_group,
-            gpus_per_stage=gpus_per_stage,
         )
         self.load_s = time.perf_counter() - t0
         self.busy_s = 0.0
@@ -59,6 +61,8 @@ class ReplicaActor:
         out = {"load_s": self.load_s, "busy_s": self.busy_s, "rows": self.rows}
         if hasattr(self.engine.runner, "bubble"):
             out["pipeline"] = self.engine.runner.bubble(reset=False)
+        if self.engine.decode_runner is not None:
+            out["decode_group"] = self.engine.decode_runner.stats()
         return out
 
     async def generate(self, items: list[tuple[object, list[int], SamplingParams]]) -> list[dict]:

@@ -48,13 +48,17 @@ class Engine:
         config: EngineConfig = EngineConfig(),
         *,
         runner=None,
+        decode_runner=None,
         eos_token_ids: tuple[int, ...] | None = None,
     ):
-        """model: a K3Model run on its own device; or None with a `runner` (a pipeline)."""
+        """model: a K3Model run on its own device; or None with a `runner` (a pipeline).
+        decode_runner: a separate decode group; requests are handed off to it when their
+        prompt is done, and prefill and decode batches then run at the same time."""
         self.config = config.validate()
         self.runner = runner or LocalRunner(
             model, num_slots=config.max_num_seqs, max_seq_len=config.max_seq_len
         )
+        self.decode_runner = decode_runner
         mcfg = self.runner.config
         self.vocab_size = mcfg.vocab_size
         self.eos_token_ids = tuple(eos_token_ids or (mcfg.eos_token_id,))
@@ -110,28 +114,38 @@ class Engine:
             req.slot_id, req.phase = self._free_slots.pop(), Phase.PREFILL
             self.running.append(req)
         prefill = [r for r in self.running if r.phase is Phase.PREFILL]
-        if prefill:
-            self._prefill(prefill)
-        elif self.running:
-            self._decode(self.running)
+        decoding = [r for r in self.running if r.phase is Phase.DECODE]
+        if self.decode_runner is None:  # one set of devices: prefill first, then decode
+            if prefill:
+                self._finish_prefills(self._submit_prefills(prefill))
+            elif decoding:
+                self._finish_decode(*self._submit_decode(decoding, self.runner))
+        else:  # disaggregated: a prefill and a decode batch in flight at the same time
+            prefills = self._submit_prefills(prefill)
+            dec = self._submit_decode(decoding, self.decode_runner) if decoding else None
+            self._finish_prefills(prefills)
+            if dec:
+                self._finish_decode(*dec)
         for req in [r for r in self.running if r.phase is Phase.FINISHED]:
             self.running.remove(req)
             self._free_slots.append(req.slot_id)
-            gen = self._generators.pop(req.request_id)
-            del gen
+            self._generators.pop(req.request_id)
             done.append(self._result(req))
         return done
 
-    def _prefill(self, reqs: list[Request]) -> None:
-        """Submit up to `runner.depth` prefill batches back to back, then take their logits.
-        A batch's composition depends only on prompt progress, never on results, so one
-        device and a pipeline run exactly the same batches."""
+    def _submit_prefills(self, reqs: list[Request]) -> list:
+        """Up to `runner.depth` prefill batches submitted back to back (a pipeline's stages
+        all work). A batch's composition depends only on prompt progress, never on results,
+        so one device and a pipeline run exactly the same batches."""
         submitted = []
         for _ in range(self.runner.depth):
             plan = self._plan_prefill(reqs)
             if not plan:
                 break
             submitted.append(self._submit_prefill(plan))
+        return submitted
+
+    def _finish_prefills(self, submitted: list) -> None:
         for plan, batch, want_all, handle in submitted:
             self._finish_prefill(plan, batch, want_all, self.runner.wait(handle))
 
@@ -170,6 +184,12 @@ class Engine:
             if batch.cached_lens[j] + n == len(r.prompt_token_ids):
                 r.phase = Phase.DECODE
                 self._append_token(r, last)
+                if self.decode_runner is not None and r.phase is Phase.DECODE:
+                    # The prompt's caches move from the prefill side to the decode group;
+                    # calls to each actor run in order, so the next decode step sees them.
+                    layout = self.decode_runner.layout
+                    pieces = self.runner.export_request(r.slot_id, r.num_computed, layout)
+                    self.decode_runner.import_request(r.slot_id, pieces)
 
     def _add_prompt_logprobs(self, req: Request, rows_TV, start: int, n: int) -> None:
         """rows_TV: logits at prompt positions start .. start+n-1."""
@@ -179,14 +199,17 @@ class Engine:
         lp = torch.log_softmax(rows_TV[: len(targets)], dim=-1)
         req.prompt_logprobs.extend(lp.gather(-1, torch.tensor(targets)[:, None])[:, 0].tolist())
 
-    def _decode(self, reqs: list[Request]) -> None:
+    def _submit_decode(self, reqs: list[Request], runner):
         ids = [r.all_token_ids[-1] for r in reqs]
         batch = ForwardBatch(
             seq_lens=[1] * len(reqs),
             cached_lens=[r.num_computed for r in reqs],
             slot_ids=[r.slot_id for r in reqs],
         )
-        logits = self.runner.wait(self.runner.submit(ids, batch, all_logits=False))
+        return reqs, runner, runner.submit(ids, batch, all_logits=False)
+
+    def _finish_decode(self, reqs: list[Request], runner, handle) -> None:
+        logits = runner.wait(handle)
         for r, row in zip(reqs, logits):
             r.num_computed += 1
             self._append_token(r, row)

@@ -38,3 +38,21 @@ class LocalRunner:
 
     def wait(self, handle):
         return handle
+
+    def export_request(self, slot: int, num_tokens: int, layout) -> list[list[dict]]:
+        """One request's caches resharded for each rank of a decode group: per rank, a list
+        with one piece (see `parallel.handoff`)."""
+        from k3batch.parallel.handoff import reshard_request
+
+        full = request_cache(self.cache, slot, num_tokens)
+        return [[reshard_request(full, self.config, layout, r)] for r in range(layout.tp_size)]
+
+
+def request_cache(cache: StateCache, slot: int, num_tokens: int) -> dict:
+    """A request's cache tensors by kind and layer: KDA [H, K, V], conv [3, C, W-1], MLA
+    latent of its first num_tokens tokens [L, kv_lora + rope]."""
+    return {
+        "kda_state": {i: t[slot] for i, t in cache.kda_state.items()},
+        "kda_conv": {i: t[slot] for i, t in cache.kda_conv.items()},
+        "mla_latent": {i: t[slot, :num_tokens] for i, t in cache.mla_latent.items()},
+    }
