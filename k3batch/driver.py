@@ -159,10 +159,12 @@ def _committed_ids(sink: ShardSink, done, spec: JobSpec) -> set[str]:
 
 
 def _start_replicas(spec: JobSpec, device: str):
-    """One placement group per replica and one replica actor in its first bundle.
+    """Placement groups per replica, and one replica actor in the first bundle of the first.
     pp = tp = 1: one bundle with the replica's device(s) (STRICT_PACK). Otherwise the replica is
-    a light coordinator, followed by one bundle (one device) per pipeline stage and one per
-    decode rank (PACK). GPU and accelerator-type requests let an autoscaler see the demand."""
+    a light coordinator followed by one bundle (one device) per pipeline stage (PACK: stages may
+    span nodes), and with tp > 1 a second group with one bundle per decode rank (STRICT_PACK: a
+    decode group shares a node). GPU and accelerator-type requests let an autoscaler see the
+    demand."""
     r = spec.replicas
     cuda = device == "cuda"
     accel = {f"accelerator_type:{r.accelerator_type}": 0.001} if r.accelerator_type and cuda else {}
@@ -173,12 +175,18 @@ def _start_replicas(spec: JobSpec, device: str):
     else:
         gpus = 0
         worker = {"CPU": 1, "GPU": 1 if cuda else 0, **accel}
-        bundles, strategy = [{"CPU": 1}] + [worker] * (r.pp + (r.tp if r.tp > 1 else 0)), "PACK"
-    bundles = [{k: v for k, v in b.items() if v} for b in bundles]
-    groups = [placement_group(bundles, strategy=strategy) for _ in range(r.num_replicas)]
-    for pg in groups:
+        bundles, strategy = [{"CPU": 1}] + [worker] * r.pp, "PACK"
+    drop_zeros = lambda bs: [{k: v for k, v in b.items() if v} for b in bs]  # noqa: E731
+    groups = [
+        placement_group(drop_zeros(bundles), strategy=strategy) for _ in range(r.num_replicas)
+    ]
+    decode_groups = [None] * r.num_replicas
+    if r.tp > 1:
+        ranks = drop_zeros([worker] * r.tp)
+        decode_groups = [placement_group(ranks, strategy="STRICT_PACK") for _ in groups]
+    for pg in [*groups, *filter(None, decode_groups)]:
         while not _wait_ready(pg, 30):
-            log.warning("waiting for resources for a replica: %s", bundles)
+            log.warning("waiting for resources for a replica: %s", pg.bundle_specs)
     actor_cls = ray.remote(ReplicaActor)
     actors = [
         actor_cls.options(
@@ -200,11 +208,12 @@ def _start_replicas(spec: JobSpec, device: str):
             tp=r.tp,
             dcp=r.dcp,
             placement_group=None if single else pg,
+            decode_placement_group=dpg,
         )
-        for i, pg in enumerate(groups)
+        for i, (pg, dpg) in enumerate(zip(groups, decode_groups))
     ]
     ray.get([a.ready.remote() for a in actors])
-    return actors, groups
+    return actors, groups + list(filter(None, decode_groups))
 
 
 def _wait_ready(pg, timeout_s: float) -> bool:

@@ -28,10 +28,12 @@ def build_engine(
     tp: int = 1,
     dcp: int = 1,
     placement_group=None,
+    decode_placement_group=None,
 ) -> tuple[Engine, Tokenizer]:
     """An engine on this device (pp = tp = 1), or a disaggregated one: a prefill pipeline of pp
     stage actors and, with tp > 1, a decode group of tp rank actors (Ray). Stages go in
-    bundles 1..pp of `placement_group` and decode ranks in the next tp bundles."""
+    bundles 1..pp of `placement_group`, decode ranks in the bundles of
+    `decode_placement_group`."""
     device = device or default_device()
     dtype = dtype or default_dtype(device)
     if device == "cpu":
@@ -53,11 +55,11 @@ def build_engine(
         max_seq_len=engine_config.max_seq_len,
         device=device,
         dtype=dtype,
-        placement_group=placement_group,
     )
     runner = PipelineRunner(
         model_dir,
         num_stages=pp,
+        placement_group=placement_group,
         first_bundle=1,
         num_gpus_per_stage=gpus,
         stage_sizes=list(pp_layers) if pp_layers else None,
@@ -67,7 +69,7 @@ def build_engine(
     if tp > 1:
         layout = ParallelLayout(tp_size=tp, dcp_size=dcp)
         decode = DecodeGroupRunner(
-            model_dir, layout, first_bundle=1 + pp, gpus_per_rank=gpus, **shared
+            model_dir, layout, placement_group=decode_placement_group, gpus_per_rank=gpus, **shared
         )
     engine = Engine(None, engine_config, runner=runner, decode_runner=decode, eos_token_ids=stops)
     return engine, tokenizer

@@ -33,6 +33,7 @@ class ReplicaActor:
         tp: int = 1,
         dcp: int = 1,
         placement_group=None,
+        decode_placement_group=None,
     ):
         from k3batch.generate import build_engine
 
@@ -46,6 +47,7 @@ class ReplicaActor:
             tp=tp,
             dcp=dcp,
             placement_group=placement_group,
+            decode_placement_group=decode_placement_group,
         )
         self.load_s = time.perf_counter() - t0
         self.busy_s = 0.0
