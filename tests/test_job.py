@@ -16,8 +16,8 @@ import pytest
 import ray
 
 from k3batch.driver import run_job
-from k3batch.jobspec import EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaSpec, load_job_spec
 from k3batch.engine.request import SamplingParams
+from k3batch.jobspec import EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaSpec, load_job_spec
 from k3batch.model.weights import init_checkpoint
 
 

@@ -8,14 +8,11 @@ prefill side reshards a finished prompt's caches to each rank's layout and the p
 actor to actor through the object store (never through the driver).
 """
 
-import socket
-from datetime import timedelta
-
 import ray
 import torch
 import torch.distributed as dist
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from k3batch.actors.placement import batch_meta, free_endpoint, join_process_group, spawn_group
 from k3batch.model.config import K3Config
 from k3batch.model.forward_batch import ForwardBatch
 from k3batch.parallel import handoff, tp
@@ -23,8 +20,17 @@ from k3batch.parallel.group import ParallelLayout, create_groups
 
 
 class DecodeRankActor:
-    def __init__(self, model_dir: str, layout: ParallelLayout, *, tp_rank: int, num_slots: int,
-                 max_seq_len: int, device: str, dtype: torch.dtype):  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str,
+        layout: ParallelLayout,
+        *,
+        tp_rank: int,
+        num_slots: int,
+        max_seq_len: int,
+        device: str,
+        dtype: torch.dtype,
+    ):
         if device == "cpu":
             torch.set_num_threads(1)  # tiny CPU models: see generate.build_engine
         self.model_dir, self.layout, self.tp_rank = model_dir, layout, tp_rank
@@ -39,20 +45,11 @@ class DecodeRankActor:
         self.num_handoffs = 0
 
     def endpoint(self) -> tuple[str, int]:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        return free_endpoint()
 
-    def init_group(self, host: str, port: int, timeout_s: float = 600) -> None:
+    def init_group(self, host: str, port: int) -> None:
         """Join the group, then build this rank's model and cache (they need the groups)."""
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{host}:{port}",
-            rank=self.tp_rank,
-            world_size=self.layout.tp_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        join_process_group(self.device.type, host, port, self.tp_rank, self.layout.tp_size)
         tp_group, dcp_group = create_groups(self.layout)
         self.model = tp.build_rank_model(
             self.config, self.layout, tp_group, dcp_group, dtype=self.dtype, device=self.device
@@ -116,38 +113,39 @@ class DecodeGroupRunner:
 
     depth = 1
 
-    def __init__(self, model_dir: str, layout: ParallelLayout, *, num_slots: int, max_seq_len: int,
-                 device: str, dtype: torch.dtype, placement_group=None, first_bundle: int = 0,
-                 gpus_per_rank: float = 0):  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str,
+        layout: ParallelLayout,
+        *,
+        num_slots: int,
+        max_seq_len: int,
+        device: str,
+        dtype: torch.dtype,
+        placement_group=None,
+        first_bundle: int = 0,
+        gpus_per_rank: float = 0,
+    ):
         self.config, self.layout = K3Config.from_hf(model_dir), layout
-        cls = ray.remote(DecodeRankActor)
-        self.ranks = []
-        for r in range(layout.tp_size):
-            opts = {"num_cpus": 1 if device == "cpu" else 0.1, "num_gpus": gpus_per_rank}
-            if placement_group is not None:
-                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group, placement_group_bundle_index=first_bundle + r
-                )
-            self.ranks.append(
-                cls.options(**opts).remote(
-                    model_dir,
-                    layout,
-                    tp_rank=r,
-                    num_slots=num_slots,
-                    max_seq_len=max_seq_len,
-                    device=device,
-                    dtype=dtype,
-                )
-            )
-        host, port = ray.get(self.ranks[0].endpoint.remote())
-        ray.get([a.init_group.remote(host, port) for a in self.ranks])
+        kwargs = dict(
+            model_dir=model_dir,
+            layout=layout,
+            num_slots=num_slots,
+            max_seq_len=max_seq_len,
+            device=device,
+            dtype=dtype,
+        )
+        self.ranks = spawn_group(
+            DecodeRankActor,
+            [kwargs | {"tp_rank": r} for r in range(layout.tp_size)],
+            device=device,
+            placement_group=placement_group,
+            first_bundle=first_bundle,
+            num_gpus=gpus_per_rank,
+        )
 
     def submit(self, ids: list[int], batch: ForwardBatch, all_logits: bool):
-        meta = {
-            "seq_lens": batch.seq_lens,
-            "cached_lens": batch.cached_lens,
-            "slot_ids": batch.slot_ids,
-        }
+        meta = batch_meta(batch)
         return [a.forward.remote(ids, meta, all_logits) for a in self.ranks]
 
     def wait(self, refs):

@@ -8,8 +8,8 @@ compute intervals into busy fractions and the pipeline bubble.
 
 import ray
 import torch
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from k3batch.actors.placement import batch_meta, spawn_group
 from k3batch.actors.prefill import PrefillStageActor
 from k3batch.model.config import K3Config
 from k3batch.model.forward_batch import ForwardBatch
@@ -36,35 +36,25 @@ class PipelineRunner:
         self.layer_ranges = split_layers(
             self.config.num_hidden_layers, num_stages, self.config.attn_res_block_size, stage_sizes
         )
-        cls = ray.remote(PrefillStageActor)
-        self.stages = []
-        for rank, rng in enumerate(self.layer_ranges):
-            opts = {"num_cpus": 1 if device == "cpu" else 0.1, "num_gpus": num_gpus_per_stage}
-            if placement_group is not None:
-                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group, placement_group_bundle_index=first_bundle + rank
-                )
-            self.stages.append(
-                cls.options(**opts).remote(
-                    model_dir,
-                    rng,
-                    rank=rank,
-                    num_stages=num_stages,
-                    num_slots=num_slots,
-                    max_seq_len=max_seq_len,
-                    device=device,
-                    dtype=dtype,
-                )
-            )
-        host, port = ray.get(self.stages[0].endpoint.remote())
-        ray.get([s.init_group.remote(host, port) for s in self.stages])
+        kwargs = dict(
+            model_dir=model_dir,
+            num_stages=num_stages,
+            num_slots=num_slots,
+            max_seq_len=max_seq_len,
+            device=device,
+            dtype=dtype,
+        )
+        self.stages = spawn_group(
+            PrefillStageActor,
+            [kwargs | {"layer_range": rng, "rank": r} for r, rng in enumerate(self.layer_ranges)],
+            device=device,
+            placement_group=placement_group,
+            first_bundle=first_bundle,
+            num_gpus=num_gpus_per_stage,
+        )
 
     def submit(self, ids: list[int], batch: ForwardBatch, all_logits: bool):
-        meta = {
-            "seq_lens": batch.seq_lens,
-            "cached_lens": batch.cached_lens,
-            "slot_ids": batch.slot_ids,
-        }
+        meta = batch_meta(batch)
         return [
             s.forward.remote(ids if r == 0 else None, meta, all_logits)
             for r, s in enumerate(self.stages)

@@ -8,16 +8,15 @@ submission order, so consecutive chunks flow through the stages like a conveyor:
 on chunk c while stage s-1 works on chunk c+1, and a stage's send overlaps its next chunk.
 """
 
-import socket
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from k3batch.actors.placement import free_endpoint, join_process_group
 from k3batch.cache.state_cache import StateCache
-from k3batch.model.forward_batch import ForwardBatch
 from k3batch.engine.runner import request_cache
+from k3batch.model.forward_batch import ForwardBatch
 from k3batch.model.loader import load_model
 from k3batch.parallel.handoff import reshard_request
 from k3batch.parallel.pipeline import bank_size, pack_stream, unpack_stream
@@ -54,28 +53,15 @@ class PrefillStageActor:
             device=self.device,
             dtype=dtype,
         )
-        self.busy: list[
-            tuple[float, float]
-        ] = []  # wall-clock compute intervals, recv/send excluded
+        # Wall-clock compute intervals; receive and send are excluded.
+        self.busy: list[tuple[float, float]] = []
         self._send = None  # (work, tensor) of the last isend
 
     def endpoint(self) -> tuple[str, int]:
-        """Rank 0 hosts the rendezvous: its address and a free port."""
-        import ray
+        return free_endpoint()
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
-
-    def init_group(self, host: str, port: int, timeout_s: float = 600) -> None:
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{host}:{port}",
-            rank=self.rank,
-            world_size=self.num_stages,
-            timeout=timedelta(seconds=timeout_s),
-        )
+    def init_group(self, host: str, port: int) -> None:
+        join_process_group(self.device.type, host, port, self.rank, self.num_stages)
 
     @torch.inference_mode()
     def forward(self, ids: list[int] | None, meta: dict, all_logits: bool):

@@ -34,35 +34,13 @@ def kda_core(
     """q, k: [T, H, K] after the conv; v: [T, H, V]; f: [T, H, K] raw decay logits; b: [T, H]
     raw beta logits; initial_state: [N, H, K, V] fp32; cu_seqlens: N+1 offsets (list).
     Returns (o [T, H, V], final state [N, H, K, V] fp32)."""
+    kw = dict(
+        lower_bound=lower_bound, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
+    )
     if backend == "fla":
         fn = _fla().kda_decode if decode else _fla().kda_prefill
-        return fn(
-            q,
-            k,
-            v,
-            f,
-            b,
-            A_log,
-            dt_bias,
-            lower_bound=lower_bound,
-            scale=scale,
-            initial_state=initial_state,
-            cu_seqlens=cu_seqlens,
-        )
-    return reference.kda_core(
-        q,
-        k,
-        v,
-        f,
-        b,
-        A_log,
-        dt_bias,
-        lower_bound=lower_bound,
-        scale=scale,
-        initial_state=initial_state,
-        cu_seqlens=cu_seqlens,
-        chunked=not decode,
-    )
+        return fn(q, k, v, f, b, A_log, dt_bias, **kw)
+    return reference.kda_core(q, k, v, f, b, A_log, dt_bias, chunked=not decode, **kw)
 
 
 def short_conv(x, weight_CW, conv_state, cu_seqlens, *, decode: bool, backend: str):

@@ -4,7 +4,6 @@ form against its stepwise form. fp32 throughout; tolerances are fp32 rounding ov
 import pytest
 import torch
 import torch.nn.functional as F
-
 from k3kernels.kda import reference as R
 
 fla_naive = pytest.importorskip("fla.ops.kda.naive")
