@@ -12,7 +12,13 @@ import ray
 import torch
 import torch.distributed as dist
 
-from k3batch.actors.placement import batch_meta, free_endpoint, join_process_group, spawn_group
+from k3batch.actors.placement import (
+    actor_device,
+    batch_meta,
+    free_endpoint,
+    join_process_group,
+    spawn_group,
+)
 from k3batch.model.config import K3Config
 from k3batch.model.forward_batch import ForwardBatch
 from k3batch.parallel import handoff, tp
@@ -31,15 +37,9 @@ class DecodeRankActor:
         device: str,
         dtype: torch.dtype,
     ):
-        if device == "cpu":
-            torch.set_num_threads(1)  # tiny CPU models: see generate.build_engine
         self.model_dir, self.layout, self.tp_rank = model_dir, layout, tp_rank
         self.num_slots, self.max_seq_len, self.dtype = num_slots, max_seq_len, dtype
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if device == "cuda"
-            else torch.device("cpu")
-        )
+        self.device = actor_device(device)
         self.config = K3Config.from_hf(model_dir)
         self.handoff_bytes = 0
         self.num_handoffs = 0

@@ -9,8 +9,18 @@ import socket
 from datetime import timedelta
 
 import ray
+import torch
 import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+def actor_device(device: str) -> torch.device:
+    """The torch device of a group actor ('cpu' or 'cuda': the GPU Ray assigned it). CPU actors
+    run the tiny debug flavors with one intra-op thread (see generate.build_engine)."""
+    if device == "cpu":
+        torch.set_num_threads(1)
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def free_endpoint() -> tuple[str, int]:

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from k3batch.actors.placement import free_endpoint, join_process_group
+from k3batch.actors.placement import actor_device, free_endpoint, join_process_group
 from k3batch.cache.state_cache import StateCache
 from k3batch.engine.runner import request_cache
 from k3batch.model.forward_batch import ForwardBatch
@@ -35,14 +35,8 @@ class PrefillStageActor:
         device: str,
         dtype: torch.dtype,
     ):
-        if device == "cpu":
-            torch.set_num_threads(1)  # tiny CPU models: see generate.build_engine
         self.rank, self.num_stages = rank, num_stages
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if device == "cuda"
-            else torch.device("cpu")
-        )
+        self.device = actor_device(device)
         self.model = load_model(model_dir, dtype=dtype, device=self.device, layer_range=layer_range)
         self.config, self.dtype = self.model.config, dtype
         self.cache = StateCache(
