@@ -3,7 +3,7 @@
 Per KDA layer: the fp32 recurrent state [S, H, K, V] (K-first, as fla's default layout) and the
 three conv states [S, 3, C, W-1] (q, k, v; the previous W-1 inputs, oldest first). Per MLA
 layer: the latent of every cached token [S, max_seq_len, kv_lora + rope] (the normalized c_kv,
-then the un-normalized shared k^R). S slots; a request owns one slot from `alloc` to `free`.
+then the un-normalized shared k^R). S slots, handed out by the engine (a request owns one from admission to finish).
 Contract: layers read slot state only for sequences with cached_len > 0 and write it back after
 every forward, so a freed slot needs no clearing.
 """
@@ -30,20 +30,6 @@ class StateCache:
                 self.mla_latent[i] = torch.zeros(
                     num_slots, max_seq_len, width, dtype=dtype, device=device
                 )
-        self._free = list(range(num_slots - 1, -1, -1))
-
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free)
-
-    def alloc(self) -> int:
-        if not self._free:
-            raise RuntimeError("no free cache slot")
-        return self._free.pop()
-
-    def free(self, slot_id: int) -> None:
-        assert 0 <= slot_id < self.num_slots and slot_id not in self._free
-        self._free.append(slot_id)
 
     def bytes_per_slot(self) -> int:
         tensors = [*self.kda_state.values(), *self.kda_conv.values(), *self.mla_latent.values()]

@@ -1,15 +1,15 @@
-"""Engine: requests in, tokens out, on one device.
+"""Engine: requests in, tokens out, on one device or over Ray actor groups.
 
-Contract: the engine knows nothing of text, and nothing of where the model runs (a runner, see
-`runner.py`). `add_request` queues token ids; each `step` either prefills (up to `runner.depth`
-batches of prompt chunks submitted back to back, so that a pipeline's stages all work) or, when
-no request has prompt left, decodes one token for every running request; it returns the
-requests that finished. Each request owns one cache slot (KDA states, conv states, MLA
+Contract: the engine knows nothing of text, and nothing of where the model runs (runners, see
+`runner.py`). `add_request` queues token ids; each `step` prefills (up to `runner.depth`
+batches of prompt chunks submitted back to back, so that a pipeline's stages all work) and
+decodes one token for every request whose prompt is done: one after the other on a single
+runner, at the same time when a separate decode runner (a TP/DCP group) takes requests by
+handoff. It returns the requests that finished. Each request owns one cache slot (KDA states, conv states, MLA
 latents) from admission to finish. Admission is bounded by the number of slots; a prompt chunk
 is at most `chunk_size` tokens and a prefill batch at most `max_batch_tokens` tokens.
 """
 
-import logging
 from collections import deque
 from dataclasses import dataclass
 
@@ -19,8 +19,6 @@ from k3batch.engine.request import GenerationResult, Phase, Request, SamplingPar
 from k3batch.engine.runner import LocalRunner
 from k3batch.engine.sampler import make_generator, sample
 from k3batch.model.forward_batch import ForwardBatch
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -119,7 +119,7 @@ def _cached_logits(model: K3Model, ids_BT, dtype, routes=None):
         device=dev,
         dtype=dtype,
     )
-    slots = [cache.alloc(), cache.alloc()]
+    slots = [0, 1]
     pos, outs = [0, 0], [[], []]
     for lens in CHUNKS:
         batch = ForwardBatch(
