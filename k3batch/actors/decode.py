@@ -127,10 +127,12 @@ class DecodeGroupRunner:
         gpus_per_rank: float = 0,
     ):
         self.config, self.layout = K3Config.from_hf(model_dir), layout
+        # One extra slot takes the padding rows of a bucketed decode batch (see Engine).
+        self.scratch_slot = num_slots
         kwargs = dict(
             model_dir=model_dir,
             layout=layout,
-            num_slots=num_slots,
+            num_slots=num_slots + 1,
             max_seq_len=max_seq_len,
             device=device,
             dtype=dtype,

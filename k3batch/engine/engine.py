@@ -198,12 +198,18 @@ class Engine:
         req.prompt_logprobs.extend(lp.gather(-1, torch.tensor(targets)[:, None])[:, 0].tolist())
 
     def _submit_decode(self, reqs: list[Request], runner):
+        """One decode batch. A runner with a `scratch_slot` (a decode group) gets the batch
+        padded to a power of two (capped at max_num_seqs) with dummy rows in that slot, so
+        decode steps take few distinct shapes, as CUDA-graph capture needs; their logits are
+        dropped. Padding rows read and write only the scratch slot."""
         ids = [r.all_token_ids[-1] for r in reqs]
-        batch = ForwardBatch(
-            seq_lens=[1] * len(reqs),
-            cached_lens=[r.num_computed for r in reqs],
-            slot_ids=[r.slot_id for r in reqs],
-        )
+        cached = [r.num_computed for r in reqs]
+        slots = [r.slot_id for r in reqs]
+        scratch = getattr(runner, "scratch_slot", None)
+        if scratch is not None:
+            pad = min(self.config.max_num_seqs, 1 << (len(reqs) - 1).bit_length()) - len(reqs)
+            ids, cached, slots = ids + [0] * pad, cached + [1] * pad, slots + [scratch] * pad
+        batch = ForwardBatch(seq_lens=[1] * len(ids), cached_lens=cached, slot_ids=slots)
         return reqs, runner, runner.submit(ids, batch, all_logits=False)
 
     def _finish_decode(self, reqs: list[Request], runner, handle) -> None:

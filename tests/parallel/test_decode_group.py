@@ -48,9 +48,14 @@ def test_disaggregated_engine_matches_one_device(cluster, checkpoint, pp, tp, dc
     ref_engine = Engine(load_model(checkpoint, dtype=torch.float32), CFG)
     ref = [r.output_token_ids for r in ref_engine.generate(prompts, GREEDY)]
     engine, prefill, decode = _disaggregated(checkpoint, pp, tp, dcp)
+    sizes, submit = [], decode.submit
+    decode.submit = lambda ids, batch, all_logits: (
+        sizes.append(len(ids)) or submit(ids, batch, all_logits)
+    )
     try:
         got = [r.output_token_ids for r in engine.generate(prompts, GREEDY)]
         assert got == ref
+        assert set(sizes) <= {1, 2, 4} and 4 in sizes  # 3 requests padded to a bucket of 4
         stats = decode.stats()
         assert stats["handoffs"] == len(prompts) and min(stats["handoff_bytes_per_rank"]) > 0
     finally:
