@@ -164,3 +164,19 @@ def cluster(ray_head):
     ray.init(address=ray_head.gcs_address)
     yield ray_head
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def numbers(request):
+    """A MetricsTable named by the module's NUMBERS_TABLE, printed (past output capture) after
+    the module and saved to $K3_NUMCHECK_OUT when set: the GPU tests' numerical report."""
+    from k3batch.testing import MetricsTable
+
+    table = MetricsTable(request.module.NUMBERS_TABLE, os.environ.get("K3_NUMCHECK_OUT"))
+    yield table
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+    if capman is None:
+        print("\n" + table.format())
+    else:
+        with capman.global_and_fixture_disabled():
+            print("\n" + table.format())

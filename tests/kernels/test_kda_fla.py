@@ -9,14 +9,10 @@ The measured numbers are printed as a table at the end of the module and merged 
 file named by K3_NUMCHECK_OUT, if set.
 """
 
-import os
-
 import pytest
 import torch
 from k3kernels.kda import TOLERANCES
 from k3kernels.kda import reference as R
-
-from k3batch.testing import MetricsTable
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,17 +28,7 @@ GATES = {"bounded": -5.0, "softplus": None}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-@pytest.fixture(scope="module")
-def numbers(request):
-    table = MetricsTable("kernels/kda_fla", os.environ.get("K3_NUMCHECK_OUT"))
-    yield table
-    text = table.format()
-    capman = request.config.pluginmanager.getplugin("capturemanager")
-    if capman is not None:
-        with capman.global_and_fixture_disabled():
-            print("\n" + text)
-    else:
-        print("\n" + text)
+NUMBERS_TABLE = "kernels/kda_fla"  # rows of the `numbers` fixture (tests/conftest.py)
 
 
 def _fla():

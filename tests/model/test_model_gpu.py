@@ -11,7 +11,6 @@ of the module and merged into the JSON file named by K3_NUMCHECK_OUT, if set.
 """
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from k3batch.model import K3Model, get_flavor
 from k3batch.model.attn_res import Stream
 from k3batch.model.forward_batch import ForwardBatch
 from k3batch.model.init import init_random_
-from k3batch.testing import MetricsTable, logit_agreement
+from k3batch.testing import logit_agreement
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,17 +48,7 @@ LAYER_REL_RMS = 2.5e-2
 PROMPT_LEN, CHUNKS, NUM_DECODE = 100, ((37, 64), (55, 28)), 8  # chunks end at 92 = 100 - 8
 
 
-@pytest.fixture(scope="module")
-def numbers(request):
-    table = MetricsTable("model_gpu", os.environ.get("K3_NUMCHECK_OUT"))
-    yield table
-    text = table.format()
-    capman = request.config.pluginmanager.getplugin("capturemanager")
-    if capman is not None:
-        with capman.global_and_fixture_disabled():
-            print("\n" + text)
-    else:
-        print("\n" + text)
+NUMBERS_TABLE = "model_gpu"  # rows of the `numbers` fixture (tests/conftest.py)
 
 
 def _debug_4l(flavor: str = "k3-debug"):
