@@ -14,6 +14,7 @@ import ray
 import torch
 
 from k3batch.actors.pipeline import PipelineRunner
+from k3batch.engine.config import EngineConfig
 from k3batch.model.forward_batch import ForwardBatch
 
 
@@ -30,11 +31,15 @@ def pipeline_fill(
     device: str,
     repeats: int = 2,
 ) -> list[dict]:
+    max_len = max(chunk_counts) * chunk_tokens + 1
+    cfg = EngineConfig(
+        max_num_seqs=1, max_seq_len=max_len, chunk_size=chunk_tokens, max_batch_tokens=chunk_tokens
+    )
+    pages = list(range(-(-max_len // cfg.page_size)))  # one request: block 0, pages from 0
     runner = PipelineRunner(
         model_dir,
         num_stages=num_stages,
-        num_slots=1,
-        max_seq_len=max(chunk_counts) * chunk_tokens + 1,
+        engine_config=cfg,
         device=device,
         dtype=torch.float32 if device == "cpu" else torch.bfloat16,
     )
@@ -51,7 +56,10 @@ def pipeline_fill(
                 for c in range(n):
                     ids = torch.randint(0, vocab, (chunk_tokens,), generator=gen).tolist()
                     batch = ForwardBatch(
-                        seq_lens=[chunk_tokens], cached_lens=[c * chunk_tokens], slot_ids=[0]
+                        seq_lens=[chunk_tokens],
+                        cached_lens=[c * chunk_tokens],
+                        slot_ids=[0],
+                        page_tables=[pages],
                     )
                     handles.append(runner.submit(ids, batch, all_logits=False))
                 for h in handles:
@@ -103,7 +111,8 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
                       chunk_size: int, seed: int = 0) -> dict:  # fmt: skip
     """Single-device engine speed on random weights made on the device (no checkpoint):
     prefill tokens/s over `batch` prompts, then decode tokens/s with all of them running."""
-    from k3batch.engine.engine import Engine, EngineConfig
+    from k3batch.engine.config import EngineConfig
+    from k3batch.engine.engine import Engine
     from k3batch.engine.request import Phase, SamplingParams
     from k3batch.model import K3Model, get_flavor
     from k3batch.model.init import init_random_

@@ -95,6 +95,9 @@ _RUN_FLAGS = [
     ("--max-num-seqs", "engine.max_num_seqs", int, "Requests decoded together per replica."),
     ("--max-seq-len", "engine.max_seq_len", int, "Prompt + output tokens per request."),
     ("--chunk-size", "engine.chunk_size", int, "Prompt tokens per request per prefill step."),
+    ("--page-size", "engine.page_size", int, "Tokens per MLA page."),
+    ("--memory-pool", "engine.memory_pool", click.Choice(["unified", "static"]), None),
+    ("--memory-fraction", "engine.memory_fraction", float, "Of each GPU, weights + cache."),
 ]
 
 
@@ -105,6 +108,7 @@ def _run_options(fn):
     for flag, field in (
         ("--logprobs/--no-logprobs", "output__logprobs"),
         ("--ignore-eos/--no-ignore-eos", "sampling__ignore_eos"),
+        ("--prefix-cache/--no-prefix-cache", "engine__prefix_cache"),
     ):
         fn = click.option(flag, field, default=None)(fn)
     return fn
@@ -200,6 +204,36 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, json
     if json_path:
         with open(json_path, "a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+@main.command("plan")
+@click.option("--flavor", default="k3", show_default=True, help="Named config (k3: MXFP4 experts).")
+@click.option("--model", "model_dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Checkpoint directory: plan its config.json instead of --flavor.")  # fmt: skip
+@click.option("--gpu", default="h200", show_default=True, help="h200, h100, b200 or gb300.")
+@click.option("--pp", default=1, show_default=True, type=int, help="Prefill pipeline stages.")
+@click.option("--tp", default=8, show_default=True, type=int, help="Decode tensor parallelism.")
+@click.option("--dcp", default=1, show_default=True, type=int, help="Decode context parallelism.")
+@click.option("--memory-fraction", default=0.9, show_default=True, type=float)
+@click.option("--page-size", default=64, show_default=True, type=int, help="Tokens per MLA page.")
+@click.option("--context-len", default=1 << 20, show_default=True, type=int)
+@click.option("--cache-gib", default=None, type=float, help="Cache pool per GPU (default: left).")
+@click.option("--reserve-gib", default=4.0, show_default=True, type=float, help="Activations.")
+def plan_cmd(flavor, model_dir, gpu, pp, tp, dcp, memory_fraction, page_size, context_len,
+             cache_gib, reserve_gib):  # fmt: skip
+    """Print weights and cache bytes per GPU and the context capacity of a layout."""
+    from k3batch.model.config import K3Config
+    from k3batch.plan import GiB, checkpoint_config, make_plan
+
+    try:
+        config = K3Config.from_hf(model_dir) if model_dir else checkpoint_config(flavor)
+        plan = make_plan(config, name=model_dir or flavor, gpu=gpu, pp_size=pp, tp_size=tp,
+                         dcp_size=dcp, memory_fraction=memory_fraction, page_size=page_size,
+                         context_len=context_len, reserve_bytes=int(reserve_gib * GiB),
+                         cache_bytes=None if cache_gib is None else int(cache_gib * GiB))  # fmt: skip
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    click.echo(str(plan))
 
 
 register_job_commands(main)

@@ -121,6 +121,7 @@ def run_job(spec: JobSpec, *, progress_stream=None) -> JobReport:
         report.rows_per_replica = [s["rows"] for s in busy]
         report.pipeline = [s["pipeline"] for s in busy if "pipeline" in s]
         report.decode_groups = [s["decode_group"] for s in busy if "decode_group" in s]
+        report.cache = [s["cache"] for s in busy]
     finally:
         for actor in replicas:
             ray.kill(actor)

@@ -2,7 +2,8 @@
 
 import torch
 
-from k3batch.engine.engine import Engine, EngineConfig
+from k3batch.engine.config import EngineConfig
+from k3batch.engine.engine import Engine
 from k3batch.engine.request import GenerationResult, SamplingParams
 from k3batch.model.loader import load_model
 from k3batch.tokenizer import Tokenizer
@@ -19,7 +20,7 @@ def default_dtype(device: str) -> torch.dtype:
 
 def build_engine(
     model_dir: str,
-    engine_config: EngineConfig,
+    engine_config: EngineConfig | None = None,
     *,
     device: str | None = None,
     dtype: torch.dtype | None = None,
@@ -34,6 +35,7 @@ def build_engine(
     stage actors and, with tp > 1, a decode group of tp rank actors (Ray). Stages go in
     bundles 1..pp of `placement_group`, decode ranks in the bundles of
     `decode_placement_group`."""
+    engine_config = engine_config or EngineConfig()
     device = device or default_device()
     dtype = dtype or default_dtype(device)
     if device == "cpu":
@@ -50,12 +52,7 @@ def build_engine(
     from k3batch.parallel.group import ParallelLayout
 
     gpus = 1 if device == "cuda" else 0
-    shared = dict(
-        num_slots=engine_config.max_num_seqs,
-        max_seq_len=engine_config.max_seq_len,
-        device=device,
-        dtype=dtype,
-    )
+    shared = dict(engine_config=engine_config, device=device, dtype=dtype)
     runner = PipelineRunner(
         model_dir,
         num_stages=pp,
@@ -81,7 +78,7 @@ def generate_text(
     sampling: SamplingParams,
     *,
     chat: bool,
-    engine_config: EngineConfig = EngineConfig(),
+    engine_config: EngineConfig | None = None,
     device: str | None = None,
 ) -> list[tuple[str, GenerationResult]]:
     engine, tok = build_engine(model_dir, engine_config, device=device)

@@ -10,7 +10,8 @@ loaded and raises `ValueError` naming the field. Example: `jobs/debug_cpu.toml`.
     [sampling] temperature, top_p, top_k, seed, max_new_tokens, stop_token_ids, ignore_eos
     [replicas] num_replicas, pp, pp_layers, tp, dcp, device, num_gpus, accelerator_type,
                max_inflight_rows, max_retries
-    [engine]  max_num_seqs, max_seq_len, chunk_size, max_batch_tokens
+    [engine]  max_num_seqs, max_seq_len, chunk_size, max_batch_tokens, page_size, memory_pool,
+              prefix_cache, cache_bytes, memory_fraction
 """
 
 import dataclasses
@@ -20,7 +21,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from k3batch.engine.engine import EngineConfig
+from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import SamplingParams
 from k3batch.model.config import K3Config
 from k3batch.parallel.pipeline import split_layers

@@ -29,6 +29,7 @@ class JobReport:
     peak_inflight_rows: int = 0  # rows dispatched to one replica and not yet returned
     pipeline: list[dict] = field(default_factory=list)  # per replica with pp > 1: busy, bubble
     decode_groups: list[dict] = field(default_factory=list)  # per replica with tp > 1: handoffs
+    cache: list[dict] = field(default_factory=list)  # per replica: memory and prefix-cache counters
     stage_s: dict[str, float] = field(
         default_factory=lambda: {
             "startup": 0.0,
@@ -72,6 +73,8 @@ class JobReport:
                 f"replica {i} handoff: {d['handoffs']} requests, {per_req:,.0f} B each "
                 f"(per rank {d['handoff_bytes_per_rank']})"
             )
+        for i, c in enumerate(self.cache):
+            lines.append(f"replica {i} cache: {cache_line(c)}")
         if self.replica_failures:
             lines.append(
                 f"replica failures: {self.replica_failures}, rows retried: {self.rows_retried}"
@@ -80,6 +83,20 @@ class JobReport:
             lines.append("UNREADABLE input (rows not processed; fix and rerun to resume):")
             lines += [f"  {e}" for e in self.unreadable_inputs]
         return "\n".join(lines)
+
+
+def cache_line(stats: dict) -> str:
+    """Prefix-cache hit rate, prefill tokens saved and retractions of one replica's accounts
+    (`Engine.cache_stats`)."""
+    pre = stats.get("prefill") or stats["cache"]
+    admitted, prompt = max(pre["admitted"], 1), max(pre["prompt_tokens"], 1)
+    retracted = sum(s["retracted"] for s in stats.values())
+    return (
+        f"prefix hits {pre['prefix_hits']}/{pre['admitted']} requests "
+        f"({pre['prefix_hits'] / admitted:.0%}), prefill tokens saved "
+        f"{pre['prefix_hit_tokens']}/{pre['prompt_tokens']} "
+        f"({pre['prefix_hit_tokens'] / prompt:.0%}); {retracted} retracted"
+    )
 
 
 class Progress:

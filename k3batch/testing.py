@@ -157,3 +157,43 @@ class MetricsTable:
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text(json.dumps(data, indent=1))
             tmp.replace(path)
+
+
+def slot_cache(config, layer_ids, *, num_slots: int, max_seq_len: int, device, dtype,
+               page_size: int = 16, tp_size: int = 1, dcp_size: int = 1):  # fmt: skip
+    """A PagedCache with room for num_slots requests of max_seq_len tokens, laid out as fixed
+    slots: slot s owns KDA block s and pages `slot_pages(s, ...)` (see `slot_batch`). For
+    tests that drive a model or a rank directly, without an engine."""
+    from k3batch.cache.layout import CacheLayout
+    from k3batch.cache.paged import PagedCache
+
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    layout = CacheLayout.build(
+        config, layer_ids, page_size=page_size, dtype_bytes=nbytes, tp_size=tp_size
+    )
+    pages = layout.pages_for(-(-max_seq_len // dcp_size))
+    total = num_slots * (layout.block_bytes + pages * layout.page_bytes)
+    cache = PagedCache(layout, total, device=device, dtype=dtype)
+    cache.pages_per_slot = pages
+    return cache
+
+
+def slot_pages(cache, slot: int) -> list[int]:
+    n = cache.pages_per_slot
+    return list(range(slot * n, (slot + 1) * n))
+
+
+def slot_batch(cache, seq_lens, cached_lens, slots, **kw):
+    """A ForwardBatch addressing the fixed slots of a `slot_cache`."""
+    from k3batch.model.forward_batch import ForwardBatch
+
+    tables = [slot_pages(cache, s) for s in slots]
+    return ForwardBatch(
+        seq_lens=list(seq_lens), cached_lens=list(cached_lens), slot_ids=list(slots),
+        page_tables=tables, **kw,
+    )  # fmt: skip
+
+
+def slot_tensors(cache, slot: int, num_tokens: int) -> dict:
+    """A slot's request tensors (see `PagedCache.request_tensors`)."""
+    return cache.request_tensors(slot, slot_pages(cache, slot), num_tokens)

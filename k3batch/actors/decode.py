@@ -2,8 +2,10 @@
 they share a node) with one torch.distributed group among them (NCCL on GPU, gloo on CPU), and
 the DecodeGroupRunner that drives it behind the engine's runner protocol.
 
-Each rank loads only its shard of the checkpoint and keeps, per request slot, its heads of every
-KDA state and its token stripe of every MLA latent (DCP). Requests arrive by handoff: the
+Each rank loads only its shard of the checkpoint and keeps, in its arena (`cache.paged`), per
+request a KDA block with its heads of every KDA state and MLA pages with its token stripe of
+every latent (DCP). The engine places blocks and pages for all ranks at once (the same
+indices everywhere). Requests arrive by handoff: the
 prefill side reshards a finished prompt's caches to each rank's layout and the pieces travel
 actor to actor through the object store (never through the driver).
 """
@@ -19,6 +21,9 @@ from k3batch.actors.placement import (
     join_process_group,
     spawn_group,
 )
+from k3batch.cache.paged import PagedCache
+from k3batch.engine.config import EngineConfig
+from k3batch.engine.runner import arena_bytes
 from k3batch.model.config import K3Config
 from k3batch.model.forward_batch import ForwardBatch
 from k3batch.parallel import handoff, tp
@@ -32,13 +37,12 @@ class DecodeRankActor:
         layout: ParallelLayout,
         *,
         tp_rank: int,
-        num_slots: int,
-        max_seq_len: int,
+        engine_config: EngineConfig,
         device: str,
         dtype: torch.dtype,
     ):
         self.model_dir, self.layout, self.tp_rank = model_dir, layout, tp_rank
-        self.num_slots, self.max_seq_len, self.dtype = num_slots, max_seq_len, dtype
+        self.engine_config, self.dtype = engine_config, dtype
         self.device = actor_device(device)
         self.config = K3Config.from_hf(model_dir)
         self.handoff_bytes = 0
@@ -56,23 +60,30 @@ class DecodeRankActor:
         )
         tp.load_rank_weights_(self.model, self.model_dir, self.layout, self.tp_rank)
         self.model.eval()
-        self.cache = tp.rank_cache(
+        cfg = self.engine_config
+        layout = tp.rank_cache_layout(
             self.config,
             self.layout,
-            self.tp_rank,
-            num_slots=self.num_slots,
-            max_seq_len=self.max_seq_len,
-            device=self.device,
-            dtype=self.dtype,
+            page_size=cfg.page_size,
+            dtype_bytes=torch.empty((), dtype=self.dtype).element_size(),
         )
+        # One extra request's room: the scratch block and page of padding rows (see Engine).
+        total = arena_bytes(layout, cfg, self.device, dcp_size=self.layout.dcp_size, extra=1)
+        self.cache = PagedCache(layout, total, device=self.device, dtype=self.dtype)
 
-    def import_request(self, slot: int, pieces: list) -> int:
-        """Store a handed-off request: `pieces` are this rank's shares (dicts, or object refs to
-        them) from every prefill stage. Returns the bytes received."""
+    def cache_spec(self):
+        return self.cache.spec
+
+    def apply(self, moves) -> None:
+        self.cache.apply(moves)
+
+    def import_request(self, block: int, pages: list[int], pieces: list) -> int:
+        """Store a handed-off request in a block and pages: `pieces` are this rank's shares
+        (dicts, or object refs to them) from every prefill stage. Returns the bytes received."""
         n = 0
         for p in pieces:
             p = ray.get(p) if isinstance(p, ray.ObjectRef) else p
-            handoff.write_request_(self.cache, slot, p)
+            self.cache.write_request_(block, pages, p)
             n += handoff.handoff_bytes(p)
         self.handoff_bytes += n
         self.num_handoffs += 1
@@ -88,12 +99,10 @@ class DecodeRankActor:
         )
         return logits.float().cpu() if self.tp_rank == 0 else None
 
-    def cache_slot(self, slot: int) -> dict:
-        """This rank's cache for one slot (tests compare it with the resharded reference)."""
-        return {
-            name: {i: t[slot].cpu() for i, t in getattr(self.cache, name).items()}
-            for name in ("kda_state", "kda_conv", "mla_latent")
-        }
+    def request_tensors(self, block: int, pages: list[int], num_local_tokens: int) -> dict:
+        """This rank's cache of one request (tests compare it with the resharded reference)."""
+        out = self.cache.request_tensors(block, pages, num_local_tokens)
+        return {kind: {i: t.cpu() for i, t in d.items()} for kind, d in out.items()}
 
     def stats(self) -> dict:
         return {
@@ -109,17 +118,18 @@ class DecodeRankActor:
 
 class DecodeGroupRunner:
     """A TP (+DCP) decode group behind the runner protocol: `submit` sends one decode batch
-    to every rank, `wait` returns rank 0's logits. `import_request` hands a request over."""
+    to every rank, `wait` returns rank 0's logits. `import_request` hands a request over.
+    Decode batches come padded to a power of two (`pads_decode`)."""
 
     depth = 1
+    pads_decode = True
 
     def __init__(
         self,
         model_dir: str,
         layout: ParallelLayout,
         *,
-        num_slots: int,
-        max_seq_len: int,
+        engine_config: EngineConfig,
         device: str,
         dtype: torch.dtype,
         placement_group=None,
@@ -127,13 +137,11 @@ class DecodeGroupRunner:
         gpus_per_rank: float = 0,
     ):
         self.config, self.layout = K3Config.from_hf(model_dir), layout
-        # One extra slot takes the padding rows of a bucketed decode batch (see Engine).
-        self.scratch_slot = num_slots
+        self.dcp_size = layout.dcp_size
         kwargs = dict(
             model_dir=model_dir,
             layout=layout,
-            num_slots=num_slots + 1,
-            max_seq_len=max_seq_len,
+            engine_config=engine_config,
             device=device,
             dtype=dtype,
         )
@@ -153,9 +161,19 @@ class DecodeGroupRunner:
     def wait(self, refs):
         return ray.get(refs)[0]  # every rank's ref: a failing rank raises here
 
-    def import_request(self, slot: int, per_rank: list[list]) -> list:
+    def cache_specs(self) -> list:
+        return ray.get([a.cache_spec.remote() for a in self.ranks])
+
+    def apply(self, moves) -> None:
+        if moves:
+            for a in self.ranks:
+                a.apply.remote(moves)
+
+    def import_request(self, block: int, pages: list[int], per_rank: list[list]) -> list:
         """per_rank[r]: rank r's pieces from every prefill stage (dicts or object refs)."""
-        return [a.import_request.remote(slot, per_rank[r]) for r, a in enumerate(self.ranks)]
+        return [
+            a.import_request.remote(block, pages, per_rank[r]) for r, a in enumerate(self.ranks)
+        ]
 
     def stats(self) -> dict:
         ranks = ray.get([a.stats.remote() for a in self.ranks])

@@ -22,8 +22,7 @@ class PipelineRunner:
         model_dir: str,
         *,
         num_stages: int,
-        num_slots: int,
-        max_seq_len: int,
+        engine_config,
         device: str,
         dtype: torch.dtype,
         stage_sizes: list[int] | None = None,
@@ -39,8 +38,7 @@ class PipelineRunner:
         kwargs = dict(
             model_dir=model_dir,
             num_stages=num_stages,
-            num_slots=num_slots,
-            max_seq_len=max_seq_len,
+            engine_config=engine_config,
             device=device,
             dtype=dtype,
         )
@@ -53,6 +51,16 @@ class PipelineRunner:
             num_gpus=num_gpus_per_stage,
         )
 
+    dcp_size = 1
+
+    def cache_specs(self) -> list:
+        return ray.get([s.cache_spec.remote() for s in self.stages])
+
+    def apply(self, moves) -> None:
+        if moves:
+            for s in self.stages:
+                s.apply.remote(moves)
+
     def submit(self, ids: list[int], batch: ForwardBatch, all_logits: bool):
         meta = batch_meta(batch)
         return [
@@ -63,20 +71,21 @@ class PipelineRunner:
     def wait(self, refs):
         return ray.get(refs)[-1]  # ray.get on every stage: a failing stage raises here
 
-    def export_request(self, slot: int, num_tokens: int, layout) -> list[list]:
+    def export_request(self, block: int, pages: list[int], num_tokens: int, layout) -> list:
         """Per decode rank, the object refs of its pieces from every stage."""
         n = layout.tp_size
         refs = [
-            s.export_request.options(num_returns=n).remote(slot, num_tokens, layout)
+            s.export_request.options(num_returns=n).remote(block, pages, num_tokens, layout)
             for s in self.stages
         ]
         refs = [r if n > 1 else [r] for r in refs]
         return [[stage_refs[r] for stage_refs in refs] for r in range(n)]
 
-    def cache_tensors(self, slot_ids: list[int]) -> dict:
-        """Every stage's cache for the slots, merged by layer."""
+    def request_tensors(self, block: int, pages: list[int], num_tokens: int) -> dict:
+        """Every stage's cache of one request, merged by layer."""
         merged = {"kda_state": {}, "kda_conv": {}, "mla_latent": {}}
-        for part in ray.get([s.cache_tensors.remote(slot_ids) for s in self.stages]):
+        calls = [s.request_tensors.remote(block, pages, num_tokens) for s in self.stages]
+        for part in ray.get(calls):
             for name, layers in part.items():
                 merged[name].update(layers)
         return merged

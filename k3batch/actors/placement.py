@@ -65,4 +65,5 @@ def batch_meta(batch) -> dict:
         "seq_lens": batch.seq_lens,
         "cached_lens": batch.cached_lens,
         "slot_ids": batch.slot_ids,
+        "page_tables": batch.page_tables,
     }

@@ -1,7 +1,8 @@
 """PrefillStageActor: one pipeline stage (a contiguous range of layers) as a Ray actor.
 
 A stage loads only its layers' tensors, keeps every request's caches for those layers across
-chunks (slot-indexed, slots chosen by the engine), and moves activations stage to stage with
+chunks in its arena (`cache.paged`; the engine places blocks and pages, the same indices on
+every stage), and moves activations stage to stage with
 torch.distributed point-to-point (gloo on CPU, NCCL on GPU) inside the actors; nothing goes
 through the object store except the last stage's logits. Calls run one at a time in
 submission order, so consecutive chunks flow through the stages like a conveyor: stage s works
@@ -14,8 +15,10 @@ import torch
 import torch.distributed as dist
 
 from k3batch.actors.placement import actor_device, free_endpoint, join_process_group
-from k3batch.cache.state_cache import StateCache
-from k3batch.engine.runner import request_cache
+from k3batch.cache.layout import CacheLayout
+from k3batch.cache.paged import PagedCache
+from k3batch.engine.config import EngineConfig
+from k3batch.engine.runner import arena_bytes
 from k3batch.model.forward_batch import ForwardBatch
 from k3batch.model.loader import load_model
 from k3batch.parallel.handoff import reshard_request
@@ -30,8 +33,7 @@ class PrefillStageActor:
         *,
         rank: int,
         num_stages: int,
-        num_slots: int,
-        max_seq_len: int,
+        engine_config: EngineConfig,
         device: str,
         dtype: torch.dtype,
     ):
@@ -39,14 +41,14 @@ class PrefillStageActor:
         self.device = actor_device(device)
         self.model = load_model(model_dir, dtype=dtype, device=self.device, layer_range=layer_range)
         self.config, self.dtype = self.model.config, dtype
-        self.cache = StateCache(
+        layout = CacheLayout.build(
             self.config,
             range(*layer_range),
-            num_slots=num_slots,
-            max_seq_len=max_seq_len,
-            device=self.device,
-            dtype=dtype,
+            page_size=engine_config.page_size,
+            dtype_bytes=torch.empty((), dtype=dtype).element_size(),
         )
+        total = arena_bytes(layout, engine_config, self.device)
+        self.cache = PagedCache(layout, total, device=self.device, dtype=dtype)
         # Wall-clock compute intervals; receive and send are excluded.
         self.busy: list[tuple[float, float]] = []
         self._send = None  # (work, tensor) of the last isend
@@ -90,20 +92,23 @@ class PrefillStageActor:
         self._send = (dist.isend(packed, dst=self.rank + 1), packed)
         return None
 
-    def export_request(self, slot: int, num_tokens: int, layout) -> list[dict]:
+    def cache_spec(self):
+        return self.cache.spec
+
+    def apply(self, moves) -> None:
+        self.cache.apply(moves)
+
+    def export_request(self, block: int, pages: list[int], num_tokens: int, layout) -> list:
         """This stage's layers of one request, resharded for each decode rank (call with
         num_returns = tp_size: one object per rank, fetched by that rank directly)."""
-        full = request_cache(self.cache, slot, num_tokens)
+        full = self.cache.request_tensors(block, pages, num_tokens)
         pieces = [reshard_request(full, self.config, layout, r) for r in range(layout.tp_size)]
         return pieces if len(pieces) > 1 else pieces[0]
 
-    def cache_tensors(self, slot_ids: list[int]) -> dict:
-        """This stage's cache for the given slots (tests compare them with one device)."""
-        idx = torch.tensor(slot_ids)
-        return {
-            name: {i: t[idx].cpu() for i, t in getattr(self.cache, name).items()}
-            for name in ("kda_state", "kda_conv", "mla_latent")
-        }
+    def request_tensors(self, block: int, pages: list[int], num_tokens: int) -> dict:
+        """This stage's cache of one request (tests compare it with one device)."""
+        out = self.cache.request_tensors(block, pages, num_tokens)
+        return {kind: {i: t.cpu() for i, t in d.items()} for kind, d in out.items()}
 
     def stats(self) -> dict:
         return {"rank": self.rank, "layers": self.model.layer_range, "busy": list(self.busy)}

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 
-from k3batch.engine.engine import EngineConfig
+from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import GenerationResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ class ReplicaActor:
 
     def stats(self) -> dict:
         out = {"load_s": self.load_s, "busy_s": self.busy_s, "rows": self.rows}
+        out["cache"] = self.engine.cache_stats()
         if hasattr(self.engine.runner, "bubble"):
             out["pipeline"] = self.engine.runner.bubble(reset=False)
         if self.engine.decode_runner is not None:

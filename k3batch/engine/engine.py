@@ -1,49 +1,41 @@
 """Engine: requests in, tokens out, on one device or over Ray actor groups.
 
 Contract: the engine knows nothing of text, and nothing of where the model runs (runners, see
-`runner.py`). `add_request` queues token ids; each `step` prefills (up to `runner.depth`
-batches of prompt chunks submitted back to back, so that a pipeline's stages all work) and
-decodes one token for every request whose prompt is done: one after the other on a single
-runner, at the same time when a separate decode runner (a TP/DCP group) takes requests by
-handoff. It returns the requests that finished. Each request owns one cache slot (KDA states, conv states, MLA
-latents) from admission to finish. Admission is bounded by the number of slots; a prompt chunk
-is at most `chunk_size` tokens and a prefill batch at most `max_batch_tokens` tokens.
+`runner.py`). `add_request` queues token ids; each `step` admits what fits, prefills (up to
+`runner.depth` batches of prompt chunks submitted back to back, so that a pipeline's stages
+all work) and decodes one token for every request whose prompt is done: one after the other
+on a single runner, at the same time when a separate decode runner (a TP/DCP group) takes
+requests by handoff. It returns the requests that finished.
+
+Memory: each runner's arenas form one account (`cache.manager.CacheManager`; a separate one
+for the decode group). A request is admitted when its KDA block and its prompt's pages fit;
+a prefix hit starts it from a shared KDA checkpoint and shared pages. A decode step first
+gives every request the page of its next token; when pages run out, the youngest request is
+retracted: it frees its memory and later runs again from its prompt (same seed, same tokens),
+so nothing is lost. A prompt is cut into chunks of at most `chunk_size` tokens, always ending
+at fixed cut points (multiples of chunk_size and, with the prefix cache, the last page
+boundary before the prompt's end), so a prefix hit computes exactly what a miss does.
 """
 
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
+from k3batch.cache.manager import CacheManager
+from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import GenerationResult, Phase, Request, SamplingParams
 from k3batch.engine.runner import LocalRunner
 from k3batch.engine.sampler import make_generator, sample
 from k3batch.model.forward_batch import ForwardBatch
 
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EngineConfig:
-    max_num_seqs: int = 8  # cache slots = requests in flight
-    max_seq_len: int = 4096  # prompt + output tokens per request
-    chunk_size: int = 256  # prompt tokens per request per prefill step
-    max_batch_tokens: int = 2048  # tokens per prefill step
-
-    def validate(self) -> "EngineConfig":
-        for name in ("max_num_seqs", "max_seq_len", "chunk_size", "max_batch_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} = {getattr(self, name)} must be >= 1")
-        if self.chunk_size > self.max_batch_tokens:
-            raise ValueError(
-                f"chunk_size = {self.chunk_size} > max_batch_tokens = {self.max_batch_tokens}"
-            )
-        return self
+SCRATCH = "\0scratch"  # the decode group's padding rows (see `_submit_decode`)
 
 
 class Engine:
     def __init__(
         self,
         model,
-        config: EngineConfig = EngineConfig(),
+        config: EngineConfig | None = None,
         *,
         runner=None,
         decode_runner=None,
@@ -52,19 +44,32 @@ class Engine:
         """model: a K3Model run on its own device; or None with a `runner` (a pipeline).
         decode_runner: a separate decode group; requests are handed off to it when their
         prompt is done, and prefill and decode batches then run at the same time."""
-        self.config = config.validate()
-        self.runner = runner or LocalRunner(
-            model, num_slots=config.max_num_seqs, max_seq_len=config.max_seq_len
-        )
+        self.config = config = (config or EngineConfig()).validate()
+        self.runner = runner or LocalRunner(model, config)
         self.decode_runner = decode_runner
+        self.pool = self._account(self.runner, config.prefix_cache, extra_blocks=0)
+        self.decode_pool = None
+        if decode_runner is not None:
+            self.decode_pool = self._account(decode_runner, False, extra_blocks=1)
+            if self.decode_pool.admit(SCRATCH, [], 1) is None:
+                raise ValueError("the decode group's pool has no room for one request")
         mcfg = self.runner.config
         self.vocab_size = mcfg.vocab_size
         self.eos_token_ids = tuple(eos_token_ids or (mcfg.eos_token_id,))
-        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._generators: dict[str, torch.Generator] = {}
         self._errors: list[GenerationResult] = []
+
+    def _account(self, runner, prefix_cache: bool, extra_blocks: int) -> CacheManager:
+        static = self.config.memory_pool == "static"
+        return CacheManager(
+            runner.cache_specs(),
+            page_size=self.config.page_size,
+            static_blocks=self.config.max_num_seqs + extra_blocks if static else None,
+            prefix_cache=prefix_cache,
+            dcp_size=runner.dcp_size,
+        )
 
     # ---- queue ----------------------------------------------------------------------------
     def add_request(
@@ -77,10 +82,9 @@ class Engine:
         req = Request(request_id, list(prompt_token_ids), sampling)
         reason = self._check(req)
         if reason:
-            self._errors.append(
-                GenerationResult(request_id, req.prompt_token_ids, [], "error", error=reason)
-            )
+            self._fail(req, reason)
             return
+        req.cuts = self._cuts(len(req.prompt_token_ids))
         self._generators[request_id] = make_generator(sampling)
         self.waiting.append(req)
 
@@ -100,37 +104,133 @@ class Engine:
             return f"prompt of {len(ids)} tokens leaves no room in max_seq_len = {limit}"
         return None
 
+    def _cuts(self, prompt_len: int) -> tuple[int, ...]:
+        cs, ps = self.config.chunk_size, self.config.page_size
+        cuts = set(range(cs, prompt_len, cs))
+        if self.pool.tree is not None and (prompt_len - 1) // ps * ps > 0:
+            cuts.add((prompt_len - 1) // ps * ps)
+        return tuple(sorted(cuts))
+
+    def _fail(self, req: Request, reason: str) -> None:
+        self._errors.append(
+            GenerationResult(req.request_id, req.prompt_token_ids, [], "error", error=reason)
+        )
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._errors)
+
+    def cache_stats(self) -> dict:
+        """Memory and prefix-cache counters of each account."""
+        out = {"prefill" if self.decode_pool else "cache": vars(self.pool.stats).copy()}
+        if self.decode_pool is not None:
+            out["decode"] = vars(self.decode_pool.stats).copy()
+        return out
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[GenerationResult]:
-        done, self._errors = self._errors, []
-        while self.waiting and self._free_slots:
-            req = self.waiting.popleft()
-            req.slot_id, req.phase = self._free_slots.pop(), Phase.PREFILL
-            self.running.append(req)
-        prefill = [r for r in self.running if r.phase is Phase.PREFILL]
-        decoding = [r for r in self.running if r.phase is Phase.DECODE]
+        self._admit()
         if self.decode_runner is None:  # one set of devices: prefill first, then decode
+            prefill = [r for r in self.running if r.phase is Phase.PREFILL]
             if prefill:
                 self._finish_prefills(self._submit_prefills(prefill))
-            elif decoding:
-                self._finish_decode(*self._submit_decode(decoding, self.runner))
+            elif decoding := self._make_room(self.pool):
+                self._finish_decode(*self._submit_decode(decoding, self.runner, self.pool))
         else:  # disaggregated: a prefill and a decode batch in flight at the same time
+            prefill = [r for r in self.running if r.phase is Phase.PREFILL]
             prefills = self._submit_prefills(prefill)
-            dec = self._submit_decode(decoding, self.decode_runner) if decoding else None
+            dec = None
+            if decoding := self._make_room(self.decode_pool):
+                dec = self._submit_decode(decoding, self.decode_runner, self.decode_pool)
             self._finish_prefills(prefills)
             if dec:
                 self._finish_decode(*dec)
+            self._handoff()
+        done, self._errors = self._errors, []
         for req in [r for r in self.running if r.phase is Phase.FINISHED]:
-            self.running.remove(req)
-            self._free_slots.append(req.slot_id)
-            self._generators.pop(req.request_id)
+            self._drop(req)
             done.append(self._result(req))
         return done
 
+    def _drop(self, req: Request) -> None:
+        self.running.remove(req)
+        for pool in (self.pool, self.decode_pool):
+            if pool is not None and pool.holds(req.request_id):
+                pool.release(req.request_id)
+
+    def _admit(self) -> None:
+        """Admit waiting requests in order while they fit (KDA block + prompt pages)."""
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            ids = req.prompt_token_ids
+            points = () if req.sampling.prompt_logprobs else req.cuts  # logprobs need every row
+            hit = self.pool.admit(req.request_id, ids, len(ids), points)
+            if hit is None:
+                if any(self.pool.holds(r.request_id) for r in self.running):
+                    return  # wait for room
+                self.waiting.popleft()
+                self._abort(req, f"prompt of {len(ids)} tokens does not fit in the cache pool")
+                continue
+            self.waiting.popleft()
+            req.num_computed, req.phase = hit, Phase.PREFILL
+            self.running.append(req)
+
+    def _make_room(self, pool: CacheManager) -> list[Request]:
+        """The decoding requests of `pool`, each with a page for its next token; when pages
+        run out the youngest is retracted (oldest requests keep going)."""
+        decoding = [r for r in self.running if r.phase is Phase.DECODE and pool.holds(r.request_id)]
+        for req in list(decoding):
+            if req not in decoding:
+                continue  # retracted below
+            while not pool.grow(req.request_id, req.num_computed + 1):
+                victim = decoding[-1]
+                if victim is req and len(decoding) == 1:
+                    n = req.num_computed + 1
+                    self._abort(req, f"request of {n} tokens does not fit in the cache pool")
+                    decoding.remove(req)
+                    break
+                self._retract(victim, pool)
+                decoding.remove(victim)
+                if victim is req:
+                    break
+        return decoding
+
+    def _retract(self, req: Request, pool: CacheManager) -> None:
+        self._drop(req)
+        req.restart()
+        self._generators[req.request_id] = make_generator(req.sampling)
+        self.waiting.appendleft(req)
+        pool.stats.retracted += 1
+
+    def _abort(self, req: Request, reason: str) -> None:
+        if req in self.running:
+            self._drop(req)
+        self._generators.pop(req.request_id)
+        self._fail(req, reason)
+
+    def _handoff(self) -> None:
+        """Move prefilled requests to the decode group, in order, while they fit there."""
+        layout = self.decode_runner.layout
+        for req in [r for r in self.running if r.phase is Phase.HANDOFF]:
+            rid = req.request_id
+            if self.decode_pool.admit(rid, [], req.num_computed + 1) is None:
+                if self.decode_pool.num_requests > 1:
+                    return  # wait for room
+                n = req.num_computed + 1  # only the scratch is there: it can never fit
+                self._abort(req, f"request of {n} tokens does not fit in the decode group's pool")
+                continue
+            self.runner.apply(self.pool.drain())
+            pieces = self.runner.export_request(
+                self.pool.block_of(rid), self.pool.pages_of(rid), req.num_computed, layout
+            )
+            self.decode_runner.apply(self.decode_pool.drain())
+            self.decode_runner.import_request(
+                self.decode_pool.block_of(rid), self.decode_pool.pages_of(rid), pieces
+            )
+            self.pool.release(rid)
+            req.phase = Phase.DECODE
+
+    # ---- prefill --------------------------------------------------------------------------
     def _submit_prefills(self, reqs: list[Request]) -> list:
         """Up to `runner.depth` prefill batches submitted back to back (a pipeline's stages
         all work). A batch's composition depends only on prompt progress, never on results,
@@ -150,7 +250,9 @@ class Engine:
     def _plan_prefill(self, reqs: list[Request]) -> list[tuple[Request, int]]:
         plan, budget = [], self.config.max_batch_tokens
         for r in reqs:
-            n = min(self.config.chunk_size, len(r.prompt_token_ids) - r.num_computed, budget)
+            start = r.num_computed
+            stop = next((c for c in r.cuts if c > start), len(r.prompt_token_ids))
+            n = min(stop - start, budget)
             if n > 0:
                 plan.append((r, n))
                 budget -= n
@@ -161,12 +263,18 @@ class Engine:
         batch = ForwardBatch(
             seq_lens=[n for _, n in plan],
             cached_lens=[r.num_computed for r, _ in plan],
-            slot_ids=[r.slot_id for r, _ in plan],
+            slot_ids=[self.pool.block_of(r.request_id) for r, _ in plan],
+            page_tables=[self.pool.pages_of(r.request_id) for r, _ in plan],
         )
         want_all = any(r.sampling.prompt_logprobs for r, _ in plan)
+        self.runner.apply(self.pool.drain())
         handle = self.runner.submit(ids, batch, all_logits=want_all)
+        ps = self.config.page_size
         for r, n in plan:
             r.num_computed += n
+            end = r.num_computed
+            if self.pool.tree is not None and end in r.cuts and end % ps == 0:
+                self.pool.save_checkpoint(r.request_id, r.prompt_token_ids[:end])
         return plan, batch, want_all, handle
 
     def _finish_prefill(self, plan, batch, want_all, logits) -> None:
@@ -180,14 +288,8 @@ class Engine:
             else:
                 last = logits[j]
             if batch.cached_lens[j] + n == len(r.prompt_token_ids):
-                r.phase = Phase.DECODE
+                r.phase = Phase.DECODE if self.decode_runner is None else Phase.HANDOFF
                 self._append_token(r, last)
-                if self.decode_runner is not None and r.phase is Phase.DECODE:
-                    # The prompt's caches move from the prefill side to the decode group;
-                    # calls to each actor run in order, so the next decode step sees them.
-                    layout = self.decode_runner.layout
-                    pieces = self.runner.export_request(r.slot_id, r.num_computed, layout)
-                    self.decode_runner.import_request(r.slot_id, pieces)
 
     def _add_prompt_logprobs(self, req: Request, rows_TV, start: int, n: int) -> None:
         """rows_TV: logits at prompt positions start .. start+n-1."""
@@ -197,19 +299,25 @@ class Engine:
         lp = torch.log_softmax(rows_TV[: len(targets)], dim=-1)
         req.prompt_logprobs.extend(lp.gather(-1, torch.tensor(targets)[:, None])[:, 0].tolist())
 
-    def _submit_decode(self, reqs: list[Request], runner):
-        """One decode batch. A runner with a `scratch_slot` (a decode group) gets the batch
-        padded to a power of two (capped at max_num_seqs) with dummy rows in that slot, so
-        decode steps take few distinct shapes, as CUDA-graph capture needs; their logits are
-        dropped. Padding rows read and write only the scratch slot."""
-        ids = [r.all_token_ids[-1] for r in reqs]
+    # ---- decode ---------------------------------------------------------------------------
+    def _submit_decode(self, reqs: list[Request], runner, pool: CacheManager):
+        """One decode batch. A runner that `pads_decode` (a decode group) gets the batch
+        padded to a power of two (capped at max_num_seqs) with dummy rows in the scratch
+        block and page, so decode steps take few distinct shapes, as CUDA-graph capture
+        needs; their logits are dropped."""
+        rids = [r.request_id for r in reqs]
         cached = [r.num_computed for r in reqs]
-        slots = [r.slot_id for r in reqs]
-        scratch = getattr(runner, "scratch_slot", None)
-        if scratch is not None:
+        if getattr(runner, "pads_decode", False):
             pad = min(self.config.max_num_seqs, 1 << (len(reqs) - 1).bit_length()) - len(reqs)
-            ids, cached, slots = ids + [0] * pad, cached + [1] * pad, slots + [scratch] * pad
-        batch = ForwardBatch(seq_lens=[1] * len(ids), cached_lens=cached, slot_ids=slots)
+            rids, cached = rids + [SCRATCH] * pad, cached + [1] * pad
+        batch = ForwardBatch(
+            seq_lens=[1] * len(rids),
+            cached_lens=cached,
+            slot_ids=[pool.block_of(rid) for rid in rids],
+            page_tables=[pool.pages_of(rid) for rid in rids],
+        )
+        runner.apply(pool.drain())
+        ids = [r.all_token_ids[-1] for r in reqs] + [0] * (len(rids) - len(reqs))
         return reqs, runner, runner.submit(ids, batch, all_logits=False)
 
     def _finish_decode(self, reqs: list[Request], runner, handle) -> None:
@@ -235,6 +343,7 @@ class Engine:
             req.phase = Phase.FINISHED
 
     def _result(self, req: Request) -> GenerationResult:
+        self._generators.pop(req.request_id)
         p = req.sampling
         return GenerationResult(
             req.request_id,

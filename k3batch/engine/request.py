@@ -38,6 +38,7 @@ class SamplingParams:
 class Phase(enum.Enum):
     WAITING = "waiting"
     PREFILL = "prefill"
+    HANDOFF = "handoff"  # prompt done; waits for room in the decode group
     DECODE = "decode"
     FINISHED = "finished"
 
@@ -49,8 +50,8 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     # engine-owned state
     phase: Phase = Phase.WAITING
-    slot_id: int | None = None
     num_computed: int = 0  # tokens whose state is in the cache
+    cuts: tuple[int, ...] = ()  # prompt positions where a prefill chunk must end
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
@@ -59,6 +60,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def restart(self) -> None:
+        """Drop all progress (a retracted request runs again from its prompt)."""
+        self.phase, self.num_computed, self.finish_reason = Phase.WAITING, 0, None
+        self.output_token_ids, self.output_logprobs, self.prompt_logprobs = [], [], []
 
 
 @dataclass(frozen=True, slots=True)

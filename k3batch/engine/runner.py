@@ -1,34 +1,69 @@
 """Runners: what the engine calls to run one forward. A runner owns the model's caches.
 
-Protocol: `submit(ids, batch, all_logits)` starts a forward over packed token ids and returns a
-handle; `wait(handle)` returns its logits as fp32 on the CPU ([num_seqs, V], or [T, V] with
-all_logits). Forwards run in submission order. `depth` is how many forwards may usefully be in
+Protocol: `cache_specs()` lists the byte arenas it holds (one per device: `cache.arena`), and
+`dcp_size` says how its MLA pages stripe tokens; `apply(moves)` copies blocks and pages in
+every arena (queued by the engine's `CacheManager`, run before any later call);
+`submit(ids, batch, all_logits)` starts a forward over packed token ids and returns a handle;
+`wait(handle)` returns its logits as fp32 on the CPU ([num_seqs, V], or [T, V] with
+all_logits). Calls run in submission order. `depth` is how many forwards may usefully be in
 flight at once (1 on one device; the number of stages for a pipeline).
 """
 
 import torch
 
-from k3batch.cache.state_cache import StateCache
+from k3batch.cache.layout import CacheLayout
+from k3batch.cache.paged import PagedCache
+from k3batch.engine.config import EngineConfig
 from k3batch.model.forward_batch import ForwardBatch
+
+ACTIVATION_RESERVE_BYTES = 4 << 30  # kept free on a GPU for activations and workspaces
+
+
+def arena_bytes(
+    layout: CacheLayout, config: EngineConfig, device, *, dcp_size: int = 1, extra: int = 0
+) -> int:
+    """The arena size of one device: `config.cache_bytes`; else, on a GPU with
+    `memory_fraction`, that fraction of its memory minus what is in use (the weights) and a
+    reserve (the planner's formula, `k3batch.plan.pool_bytes`); else room for max_num_seqs
+    (+ extra) requests of max_seq_len tokens."""
+    if config.cache_bytes:
+        return config.cache_bytes
+    device = torch.device(device)
+    if config.memory_fraction and device.type == "cuda":
+        from k3batch.plan import pool_bytes
+
+        free, total = torch.cuda.mem_get_info(device)
+        return pool_bytes(total, config.memory_fraction, total - free, ACTIVATION_RESERVE_BYTES)
+    local_len = -(-config.max_seq_len // dcp_size)
+    per_request = layout.block_bytes + layout.pages_for(local_len) * layout.page_bytes
+    return (config.max_num_seqs + extra) * per_request
 
 
 class LocalRunner:
     """The whole model on one device; a forward runs at submit time."""
 
     depth = 1
+    dcp_size = 1
 
-    def __init__(self, model, *, num_slots: int, max_seq_len: int):
+    def __init__(self, model, config: EngineConfig):
         self.model, self.config = model, model.config
         p = next(model.parameters())
         self.device = p.device
-        self.cache = StateCache(
+        layout = CacheLayout.build(
             self.config,
             range(self.config.num_hidden_layers),
-            num_slots=num_slots,
-            max_seq_len=max_seq_len,
-            device=p.device,
-            dtype=p.dtype,
+            page_size=config.page_size,
+            dtype_bytes=p.element_size(),
         )
+        total = arena_bytes(layout, config, p.device)
+        self.cache = PagedCache(layout, total, device=p.device, dtype=p.dtype)
+
+    def cache_specs(self) -> list:
+        return [self.cache.spec]
+
+    def apply(self, moves) -> None:
+        if moves:
+            self.cache.apply(moves)
 
     @torch.inference_mode()
     def submit(self, ids: list[int], batch: ForwardBatch, all_logits: bool):
@@ -39,20 +74,10 @@ class LocalRunner:
     def wait(self, handle):
         return handle
 
-    def export_request(self, slot: int, num_tokens: int, layout) -> list[list[dict]]:
+    def export_request(self, block: int, pages: list[int], num_tokens: int, layout) -> list:
         """One request's caches resharded for each rank of a decode group: per rank, a list
         with one piece (see `parallel.handoff`)."""
         from k3batch.parallel.handoff import reshard_request
 
-        full = request_cache(self.cache, slot, num_tokens)
+        full = self.cache.request_tensors(block, pages, num_tokens)
         return [[reshard_request(full, self.config, layout, r)] for r in range(layout.tp_size)]
-
-
-def request_cache(cache: StateCache, slot: int, num_tokens: int) -> dict:
-    """A request's cache tensors by kind and layer: KDA [H, K, V], conv [3, C, W-1], MLA
-    latent of its first num_tokens tokens [L, kv_lora + rope]."""
-    return {
-        "kda_state": {i: t[slot] for i, t in cache.kda_state.items()},
-        "kda_conv": {i: t[slot] for i, t in cache.kda_conv.items()},
-        "mla_latent": {i: t[slot, :num_tokens] for i, t in cache.mla_latent.items()},
-    }

@@ -1,7 +1,10 @@
 """ForwardBatch: the metadata of one forward call, passed explicitly to every layer.
 
 Tokens of several sequences are packed along one axis in the order of `seq_lens`. A sequence
-with `cached_len == 0` starts from an empty state whatever its cache slot holds.
+with `cached_len == 0` starts from an empty state whatever its KDA block holds. Cache
+addresses are indices in the device's arena (`cache/arena.py`): a KDA block per sequence and a
+table of MLA page numbers per sequence (page i holds tokens i*page_size .. of the sequence;
+under DCP, of the rank's stripe). The cache turns page numbers into rows (`page_rows`).
 """
 
 from dataclasses import dataclass
@@ -13,15 +16,19 @@ import torch
 class ForwardBatch:
     seq_lens: list[int]  # new tokens of each sequence in this call
     cached_lens: list[int]  # tokens of each sequence already in the cache
-    slot_ids: list[int] | None = None  # cache slot per sequence; None: no cache (one-shot forward)
+    slot_ids: list[int] | None = None  # KDA block per sequence; None: no cache (one-shot forward)
+    page_tables: list[list[int]] | None = None  # MLA page numbers per sequence
     pinned_routes: dict[int, torch.Tensor] | None = None  # layer_idx -> [T, top_k] expert ids
     routes_out: dict[int, torch.Tensor] | None = None  # filled: layer_idx -> [T, top_k] ids
+    page_rows: torch.Tensor | None = None  # set by PagedCache.bind: [B, max pages] view rows
 
     def __post_init__(self):
         if len(self.seq_lens) != len(self.cached_lens):
             raise ValueError("seq_lens and cached_lens differ in length")
         if self.slot_ids is not None and len(self.slot_ids) != len(self.seq_lens):
             raise ValueError("slot_ids and seq_lens differ in length")
+        if self.page_tables is not None and len(self.page_tables) != len(self.seq_lens):
+            raise ValueError("page_tables and seq_lens differ in length")
 
     @classmethod
     def fresh(cls, seq_lens: list[int]) -> "ForwardBatch":

@@ -122,6 +122,8 @@ class K3Model(nn.Module):
         return Stream(partial=e)  # b_0 is banked by layer 0
 
     def run_layers(self, stream: Stream, batch: ForwardBatch, cache=None) -> Stream:
+        if cache is not None:
+            cache.bind(batch)
         for layer in self.model.layers.values():
             stream = layer(stream, batch, cache)
         return stream

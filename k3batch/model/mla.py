@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3batch.cache.paged import load_tokens, store_tokens
 from k3batch.model.layers import RMSNorm, linear
 
 
@@ -71,12 +72,15 @@ class KimiMLAAttention(nn.Module):
             new = latent_TC[start:end]
             cached = batch.cached_lens[n]
             if cache is not None:
-                pool = cache.mla_latent[self.layer_idx]
-                slot = batch.slot_ids[n]
-                if cached + (end - start) > pool.shape[1]:
-                    raise ValueError(f"sequence of {cached + end - start} tokens exceeds the cache")
-                pool[slot, cached : cached + end - start] = new
-                full = pool[slot, : cached + end - start]
+                pool, rows = cache.mla_latent[self.layer_idx], batch.page_rows[n]
+                total = cached + end - start
+                if total > len(batch.page_tables[n]) * pool.shape[1]:
+                    raise ValueError(
+                        f"sequence of {total} tokens exceeds its {len(batch.page_tables[n])} "
+                        f"pages of {pool.shape[1]} tokens"
+                    )
+                store_tokens(pool, rows, cached, new)
+                full = load_tokens(pool, rows[None], total)[0]
             else:
                 assert cached == 0, "a cached prefix needs a cache"
                 full = new
@@ -116,14 +120,16 @@ class KimiMLAAttention(nn.Module):
         score = (W_UK^T q^N) . c + q^R . k^R; ctx = W_UV (sum p c)."""
         dev = q_BHQ.device
         pool = cache.mla_latent[self.layer_idx]
-        slots = torch.tensor(batch.slot_ids, device=dev)
-        pos = torch.tensor(batch.cached_lens, device=dev)
-        if int(pos.max()) >= pool.shape[1]:
-            raise ValueError("sequence exceeds the cache")
-        pool[slots, pos] = latent_BC
-        S = int(pos.max()) + 1
-        latent_BSC = pool[slots, :S]
-        mask = torch.arange(S, device=dev)[None, :] > pos[:, None]  # [B, S]
+        ps = pool.shape[1]
+        pos = list(batch.cached_lens)
+        if any(p // ps >= len(t) for p, t in zip(pos, batch.page_tables)):
+            raise ValueError("a sequence has no page for its next token")
+        pos_B = torch.tensor(pos, device=dev)
+        rows_B = batch.page_rows.gather(1, (pos_B // ps)[:, None])[:, 0]
+        pool[rows_B, pos_B % ps] = latent_BC.to(pool.dtype)
+        S = max(pos) + 1
+        latent_BSC = load_tokens(pool, batch.page_rows, S)
+        mask = torch.arange(S, device=dev)[None, :] > pos_B[:, None]  # [B, S]
         return self.attend_absorbed(q_BHQ, latent_BSC, mask)
 
     def attend_absorbed(self, q_BHQ, latent_BSC, mask_BS):

@@ -18,6 +18,7 @@ M DCP ranks.
 
 import torch
 
+from k3batch.cache.paged import load_tokens
 from k3batch.model.mla import KimiMLAAttention
 from k3batch.parallel.group import ParallelGroup
 
@@ -87,19 +88,20 @@ class ContextParallelMLA(KimiMLAAttention):
             return super()._decode(q_BHQ, latent_BC, batch, cache)
         M, d, dev = self.dcp.size, self.dcp.rank, q_BHQ.device
         B, H, L = q_BHQ.shape[0], self.num_heads, self.kv_lora
-        pool = cache.mla_latent[self.layer_idx]  # [S, ceil(max_seq_len / M), C]
+        pool = cache.mla_latent[self.layer_idx]  # [P, page_size, C]: local tokens in pages
+        ps = pool.shape[1]
         pos = list(batch.cached_lens)  # global position of each new token
-        if max(pos) // M >= pool.shape[1]:
+        if any((p // M) // ps >= len(t) for p, t in zip(pos, batch.page_tables)):
             raise ValueError(
-                f"sequence of {max(pos) + 1} tokens exceeds the cache "
-                f"({pool.shape[1]} local tokens x dcp_size {M})"
+                f"a sequence has no page for its next token (local position = position // "
+                f"dcp_size {M}, pages of {ps} local tokens)"
             )
         own = [b for b, p in enumerate(pos) if p % M == d]
         if own:  # only the owner stores the new token
             idx = torch.tensor(own, device=dev)
-            slots = torch.tensor([batch.slot_ids[b] for b in own], device=dev)
             local = torch.tensor([pos[b] // M for b in own], device=dev)
-            pool[slots, local] = latent_BC[idx].to(pool.dtype)
+            rows = batch.page_rows[idx].gather(1, (local // ps)[:, None])[:, 0]
+            pool[rows, local % ps] = latent_BC[idx].to(pool.dtype)
 
         w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, L)
         w_uk, w_uv = w.float().split([self.nope, self.v_dim], dim=1)  # [H, Dn, L], [H, Dv, L]
@@ -109,10 +111,9 @@ class ContextParallelMLA(KimiMLAAttention):
 
         num_local = [(p - d) // M + 1 if p >= d else 0 for p in pos]  # tokens i <= p, i % M == d
         S = max(num_local)
-        slots = torch.tensor(batch.slot_ids, device=dev)
         mask = torch.arange(S, device=dev)[None, :] >= torch.tensor(num_local, device=dev)[:, None]
         out, lse = partial_attention(
-            q_group, pool[slots, :S], mask, kv_lora=L, scale=self.scale
+            q_group, load_tokens(pool, batch.page_rows, S), mask, kv_lora=L, scale=self.scale
         )  # [B, M * H, L], [B, M * H]
         packed = torch.cat([out, lse[..., None]], dim=-1).view(B, M, H, L + 1)
         recv = self.dcp.all_to_all(list(packed.transpose(0, 1).contiguous().unbind(0)))

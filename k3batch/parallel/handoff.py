@@ -1,6 +1,6 @@
 """Prefill -> decode handoff: one request's single-device caches cut into a decode rank's pieces.
 
-A request's cache tensors (`engine.runner.request_cache`) are
+A request's cache tensors (`PagedCache.request_tensors`) are
     {"kda_state": {layer: [H, K, V]}, "kda_conv": {layer: [3, C, W-1]},
      "mla_latent": {layer: [L, kv_lora + rope]}}   (L cached tokens)
 for any subset of layers (one pipeline stage's). Rank r of a TP group with DCP size M gets the
@@ -69,27 +69,6 @@ def unshard_request(pieces_by_rank: list[dict], layout: ParallelLayout) -> dict:
             full[d::M] = s
         out["mla_latent"][i] = full
     return out
-
-
-def write_request_(rank_cache, slot: int, pieces: dict) -> None:
-    """Store pieces (any subset of layers) into slot `slot` of a rank's StateCache: KDA state
-    and conv states whole, MLA latent rows at local indices 0..len-1 (cast to the cache dtype)."""
-    for kind in KINDS:
-        pool = getattr(rank_cache, kind)
-        for i, t in pieces.get(kind, {}).items():
-            if i not in pool:
-                raise ValueError(f"{kind}: layer {i} is not in this cache")
-            dst = pool[i][slot]
-            if kind == "mla_latent":
-                if t.shape[0] > dst.shape[0] or t.shape[1:] != dst.shape[1:]:
-                    raise ValueError(
-                        f"mla_latent[{i}]: piece {list(t.shape)} does not fit the slot "
-                        f"{list(dst.shape)}"
-                    )
-                dst = dst[: t.shape[0]]
-            elif t.shape != dst.shape:
-                raise ValueError(f"{kind}[{i}]: piece {list(t.shape)} != slot {list(dst.shape)}")
-            dst.copy_(t)
 
 
 def handoff_bytes(pieces: dict) -> int:

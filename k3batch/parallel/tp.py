@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from k3batch.cache.state_cache import StateCache
+from k3batch.cache.layout import CacheLayout
 from k3batch.model.config import K3Config
 from k3batch.model.k3 import K3Model
 from k3batch.model.layers import GatedMLP
@@ -206,16 +206,11 @@ def _read_slice(slice_, dim: int | None, param: torch.Tensor, tp_rank: int) -> t
     return slice_[part] if dim == 0 else slice_[:, part]
 
 
-def rank_cache(config: K3Config, layout: ParallelLayout, tp_rank: int, *, num_slots: int,
-               max_seq_len: int, device, dtype, layer_ids=None) -> StateCache:  # fmt: skip
-    """The StateCache of one rank: KDA states and conv states of its heads only; MLA latents
-    with capacity ceil(max_seq_len / dcp_size) local tokens per slot (so the cache's
-    `max_seq_len` is that local capacity). `layer_ids` default: all layers."""
-    if not 0 <= tp_rank < layout.tp_size:
-        raise ValueError(f"tp_rank = {tp_rank} not in [0, tp_size = {layout.tp_size})")
-    local = local_config(config, layout)
+def rank_cache_layout(config: K3Config, layout: ParallelLayout, *, page_size: int,
+                      dtype_bytes: int, layer_ids=None) -> CacheLayout:  # fmt: skip
+    """The cache layout of one rank: KDA states and conv states of its heads only; MLA pages
+    of `page_size` local tokens (its DCP stripe). `layer_ids` default: all layers."""
     layers = range(config.num_hidden_layers) if layer_ids is None else layer_ids
-    capacity = -(-max_seq_len // layout.dcp_size)
-    return StateCache(
-        local, layers, num_slots=num_slots, max_seq_len=capacity, device=device, dtype=dtype
+    return CacheLayout.build(
+        config, layers, page_size=page_size, dtype_bytes=dtype_bytes, tp_size=layout.tp_size
     )

@@ -7,10 +7,10 @@ cache tensors at 1e-3; greedy tokens must match exactly."""
 import pytest
 import torch
 
-from k3batch.cache.state_cache import StateCache
-from k3batch.engine.engine import Engine, EngineConfig
+from k3batch.engine.config import EngineConfig
+from k3batch.engine.engine import Engine
 from k3batch.engine.request import SamplingParams
-from k3batch.model.forward_batch import ForwardBatch
+from k3batch.testing import slot_batch, slot_cache, slot_tensors
 
 ATOL = 2e-3
 
@@ -20,7 +20,7 @@ def _prompt(n, seed):
 
 
 def _prefill(model, ids, chunk):
-    cache = StateCache(
+    cache = slot_cache(
         model.config,
         range(model.config.num_hidden_layers),
         num_slots=2,
@@ -33,7 +33,7 @@ def _prefill(model, ids, chunk):
     with torch.no_grad():
         for s in range(0, len(ids), chunk):
             part = ids[s : s + chunk]
-            b = ForwardBatch(seq_lens=[len(part)], cached_lens=[s], slot_ids=[slot])
+            b = slot_batch(cache, [len(part)], [s], [slot])
             rows.append(model.forward_batch(torch.tensor(part), b, cache, all_logits=True))
     return torch.cat(rows), cache, slot
 
@@ -48,10 +48,12 @@ def test_chunked_prefill_equals_unchunked(model_factory, flavor, chunk):
     logits, cache, slot = _prefill(model, ids, chunk)
     torch.testing.assert_close(logits, full, rtol=0, atol=ATOL)
     ref_logits, ref_cache, ref_slot = _prefill(model, ids, 64)
-    for name in ("kda_state", "kda_conv", "mla_latent"):
-        for layer, t in getattr(cache, name).items():
-            ref = getattr(ref_cache, name)[layer][ref_slot]
-            torch.testing.assert_close(t[slot], ref, rtol=1e-3, atol=1e-3, msg=f"{name}[{layer}]")
+    got, ref = slot_tensors(cache, slot, len(ids)), slot_tensors(ref_cache, ref_slot, len(ids))
+    for name, layers in ref.items():
+        for layer, t in layers.items():
+            torch.testing.assert_close(
+                got[name][layer], t, rtol=1e-3, atol=1e-3, msg=f"{name}[{layer}]"
+            )
 
 
 @pytest.mark.parametrize("flavor", ["k3-debug", "kimi-linear-debug"])
@@ -63,7 +65,7 @@ def test_prefill_then_decode_equals_full_forward(model_factory, flavor):
     _, cache, slot = _prefill(model, ids[:12], 5)
     with torch.no_grad():
         for pos in range(12, 30):
-            b = ForwardBatch(seq_lens=[1], cached_lens=[pos], slot_ids=[slot])
+            b = slot_batch(cache, [1], [pos], [slot])
             assert b.is_decode
             out = model.forward_batch(torch.tensor([ids[pos]]), b, cache)
             torch.testing.assert_close(out[0], full[pos], rtol=0, atol=ATOL)

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from k3batch.cache.state_cache import StateCache, kda_state_bytes, mla_bytes_per_token
+from k3batch.cache.layout import CacheLayout, kda_state_bytes, mla_bytes_per_token
 from k3batch.model import FLAVORS, K3Config, K3Model, get_flavor
 
 
@@ -77,11 +77,12 @@ def test_k3_cache_bytes_match_spec():
     assert mla_bytes_per_token(cfg) == 27_648
     assert kda_state_bytes(cfg, tp_size=8) == 54_263_808
     assert kda_state_bytes(cfg) == 434_110_464
-    cache = StateCache(
-        cfg, range(93), num_slots=1, max_seq_len=10, device="meta", dtype=torch.bfloat16
-    )
     conv_w3 = 69 * 3 * 12288 * 3 * 2  # three conv states of W-1 = 3 bf16 columns
-    assert cache.bytes_per_slot() == 434_110_464 + conv_w3 + 10 * 27_648
+    layout = CacheLayout.build(cfg, range(93), page_size=10, dtype_bytes=2)
+    assert layout.block_bytes == 434_110_464 + conv_w3  # every segment already 256-aligned
+    assert layout.token_bytes == 27_648 and layout.page_bytes == 10 * 27_648
+    tp8 = CacheLayout.build(cfg, range(93), page_size=64, dtype_bytes=2, tp_size=8)
+    assert tp8.block_bytes == 54_263_808 + 1_907_712
 
 
 def test_hf_round_trip_all_flavors():

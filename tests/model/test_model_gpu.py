@@ -15,12 +15,11 @@ import dataclasses
 import pytest
 import torch
 
-from k3batch.cache.state_cache import StateCache
 from k3batch.model import K3Model, get_flavor
 from k3batch.model.attn_res import Stream
 from k3batch.model.forward_batch import ForwardBatch
 from k3batch.model.init import init_random_
-from k3batch.testing import logit_agreement
+from k3batch.testing import logit_agreement, slot_batch, slot_cache
 
 pytestmark = [
     pytest.mark.gpu,
@@ -97,10 +96,10 @@ def _pin(routes, starts, lens):
 
 @torch.no_grad()
 def _cached_logits(model: K3Model, ids_BT, dtype, routes=None):
-    """Prefill CHUNKS through a StateCache, then NUM_DECODE one-token steps; the logits of
+    """Prefill CHUNKS through a paged cache, then NUM_DECODE one-token steps; the logits of
     every position, [2, PROMPT_LEN, V] fp32. routes: pin MoE routing to these (`_full_logits`)."""
     cfg, dev = model.config, ids_BT.device
-    cache = StateCache(
+    cache = slot_cache(
         cfg,
         range(cfg.num_hidden_layers),
         num_slots=4,
@@ -111,12 +110,7 @@ def _cached_logits(model: K3Model, ids_BT, dtype, routes=None):
     slots = [0, 1]
     pos, outs = [0, 0], [[], []]
     for lens in CHUNKS:
-        batch = ForwardBatch(
-            seq_lens=list(lens),
-            cached_lens=list(pos),
-            slot_ids=slots,
-            pinned_routes=_pin(routes, pos, lens),
-        )
+        batch = slot_batch(cache, lens, pos, slots, pinned_routes=_pin(routes, pos, lens))
         x = torch.cat([ids_BT[n, pos[n] : pos[n] + lens[n]] for n in range(2)])
         logits = model.forward_batch(x, batch, cache, all_logits=True).split(list(lens))
         for n in range(2):
@@ -124,12 +118,7 @@ def _cached_logits(model: K3Model, ids_BT, dtype, routes=None):
         pos = [p + n for p, n in zip(pos, lens)]
     assert pos == [PROMPT_LEN - NUM_DECODE] * 2
     for _ in range(NUM_DECODE):
-        batch = ForwardBatch(
-            seq_lens=[1, 1],
-            cached_lens=list(pos),
-            slot_ids=slots,
-            pinned_routes=_pin(routes, pos, [1, 1]),
-        )
+        batch = slot_batch(cache, [1, 1], pos, slots, pinned_routes=_pin(routes, pos, [1, 1]))
         assert batch.is_decode
         logits = model.forward_batch(ids_BT[:, pos[0]], batch, cache)
         for n in range(2):
@@ -155,7 +144,7 @@ def _prompts(vocab_size: int):
 def test_debug_4l_fla_matches_fp32_reference(numbers, flavor):
     """4-layer model at debug widths (K3: bounded gate, AttnRes; Kimi Linear: softplus gate):
     bf16 and fp32 fla paths against the fp32 torch reference on the CPU, full forward and
-    chunked prefill + decode through a StateCache."""
+    chunked prefill + decode through a paged cache."""
     cfg = _debug_4l(flavor)
     ref = init_random_(K3Model(cfg, dtype=torch.float32), seed=0).eval()
     ids = _prompts(cfg.vocab_size)

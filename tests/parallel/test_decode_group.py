@@ -1,6 +1,6 @@
 """Disaggregated replicas on Ray (CPU, gloo): a prefill pipeline hands each finished prompt to
-a TP/DCP decode group. The handoff is exact (each rank's slot equals the single-device cache,
-resharded, byte for byte); greedy tokens equal the single-device engine's; requests that
+a TP/DCP decode group. The handoff is exact (each rank's block and pages hold the
+single-device cache, resharded, byte for byte); greedy tokens equal the single-device engine's; requests that
 arrive while others decode get the tokens they get alone."""
 
 import pytest
@@ -9,9 +9,9 @@ import torch
 
 from k3batch.actors.decode import DecodeGroupRunner
 from k3batch.actors.pipeline import PipelineRunner
-from k3batch.engine.engine import Engine, EngineConfig
+from k3batch.engine.config import EngineConfig
+from k3batch.engine.engine import Engine
 from k3batch.engine.request import Phase, SamplingParams
-from k3batch.engine.runner import request_cache
 from k3batch.model.loader import load_model
 from k3batch.model.weights import init_checkpoint
 from k3batch.parallel.group import ParallelLayout
@@ -34,9 +34,7 @@ def _prompts(seed, lens=(11, 4, 23)):
 
 
 def _disaggregated(checkpoint, pp, tp, dcp):
-    shared = dict(
-        num_slots=CFG.max_num_seqs, max_seq_len=CFG.max_seq_len, device="cpu", dtype=torch.float32
-    )
+    shared = dict(engine_config=CFG, device="cpu", dtype=torch.float32)
     prefill = PipelineRunner(checkpoint, num_stages=pp, **shared)
     decode = DecodeGroupRunner(checkpoint, ParallelLayout(tp_size=tp, dcp_size=dcp), **shared)
     return Engine(None, CFG, runner=prefill, decode_runner=decode), prefill, decode
@@ -67,19 +65,22 @@ def test_handoff_is_exact(cluster, checkpoint):
     layout = ParallelLayout(tp_size=2, dcp_size=2)
     (prompt,) = _prompts(3, lens=(17,))
     ref_engine = Engine(load_model(checkpoint, dtype=torch.float32), CFG)
-    ref_engine.add_request("a", prompt, SamplingParams(temperature=0, max_new_tokens=1))
-    while ref_engine.has_unfinished():  # prefill only: it finishes with its first token
-        ref_engine.step()
-    slot = 0  # the first slot handed out
-    full = request_cache(ref_engine.runner.cache, slot, len(prompt))
+    ref_engine.add_request("a", prompt, SamplingParams(temperature=0, max_new_tokens=4))
+    while not ref_engine.running or ref_engine.running[0].phase is not Phase.DECODE:
+        ref_engine.step()  # prefill only
+    pool = ref_engine.pool
+    ref_engine.runner.apply(pool.drain())
+    cache = ref_engine.runner.cache
+    full = cache.request_tensors(pool.block_of("a"), pool.pages_of("a"), len(prompt))
     engine, prefill, decode = _disaggregated(checkpoint, 2, 2, 2)
     try:
         engine.add_request("a", prompt, SamplingParams(temperature=0, max_new_tokens=4))
         engine.step()  # admits the request
         while engine.running[0].phase is not Phase.DECODE:  # until the handoff, no decode yet
             engine.step()
+        block, pages = engine.decode_pool.block_of("a"), engine.decode_pool.pages_of("a")
         for r, actor in enumerate(decode.ranks):
-            got = ray.get(actor.cache_slot.remote(slot))
+            got = ray.get(actor.request_tensors.remote(block, pages, len(pages) * CFG.page_size))
             want = reshard_request(full, ref_engine.runner.config, layout, r)
             for name, layers in want.items():
                 for i, t in layers.items():

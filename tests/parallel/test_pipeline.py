@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from k3batch.actors.pipeline import PipelineRunner
+from k3batch.engine.config import EngineConfig
 from k3batch.engine.runner import LocalRunner
 from k3batch.model.forward_batch import ForwardBatch
 from k3batch.model.loader import load_model
@@ -27,14 +28,28 @@ def test_default_partition_follows_attn_res_blocks():
         split_layers(93, 2, 12, sizes=[40, 40])
 
 
+CFG = EngineConfig(max_num_seqs=3, max_seq_len=64, page_size=16)
+PAGES = 4  # per request: 64 tokens
+
+
+def _pages(i):
+    return list(range(i * PAGES, (i + 1) * PAGES))
+
+
 def _interleaved_batches(prompts, chunk):
-    """Every request advances by up to `chunk` tokens per batch, all packed together."""
+    """Every request advances by up to `chunk` tokens per batch, all packed together
+    (request i in block i and pages 4i..4i+3)."""
     done = [0] * len(prompts)
     while any(d < len(p) for d, p in zip(done, prompts)):
         seqs = [i for i, p in enumerate(prompts) if done[i] < len(p)]
         lens = [min(chunk, len(prompts[i]) - done[i]) for i in seqs]
         ids = [t for i, n in zip(seqs, lens) for t in prompts[i][done[i] : done[i] + n]]
-        yield ids, ForwardBatch(seq_lens=lens, cached_lens=[done[i] for i in seqs], slot_ids=seqs)
+        cached = [done[i] for i in seqs]
+        tables = [_pages(i) for i in seqs]
+        yield (
+            ids,
+            ForwardBatch(seq_lens=lens, cached_lens=cached, slot_ids=seqs, page_tables=tables),
+        )
         for i, n in zip(seqs, lens):
             done[i] += n
 
@@ -50,21 +65,22 @@ def checkpoint(tmp_path_factory):
 def test_pipeline_prefill_is_bit_identical(cluster, checkpoint, pp):
     g = torch.Generator().manual_seed(pp)
     prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (13, 29, 7)]
-    local = LocalRunner(load_model(checkpoint, dtype=torch.float32), num_slots=3, max_seq_len=64)
+    local = LocalRunner(load_model(checkpoint, dtype=torch.float32), CFG)
     runner = PipelineRunner(
-        checkpoint, num_stages=pp, num_slots=3, max_seq_len=64, device="cpu", dtype=torch.float32
+        checkpoint, num_stages=pp, engine_config=CFG, device="cpu", dtype=torch.float32
     )
     try:
         batches = list(_interleaved_batches(prompts, chunk=5))
         handles = [runner.submit(ids, b, all_logits=True) for ids, b in batches]  # all in flight
         for (ids, b), h in zip(batches, handles):
             assert torch.equal(runner.wait(h), local.wait(local.submit(ids, b, all_logits=True)))
-        got = runner.cache_tensors([0, 1, 2])
-        for name in ("kda_state", "kda_conv", "mla_latent"):
-            ref = getattr(local.cache, name)
-            assert sorted(got[name]) == sorted(ref)
-            for layer, t in got[name].items():
-                assert torch.equal(t, ref[layer]), (name, layer)
+        for i, p in enumerate(prompts):
+            got = runner.request_tensors(i, _pages(i), len(p))
+            ref = local.cache.request_tensors(i, _pages(i), len(p))
+            for name, layers in ref.items():
+                assert sorted(got[name]) == sorted(layers)
+                for layer, t in layers.items():
+                    assert torch.equal(got[name][layer], t), (name, layer)
         stats = runner.bubble()
         assert len(stats["busy"]) == pp and 0 <= stats["bubble"] < 1
     finally:

@@ -25,25 +25,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from k3batch.cache.state_cache import StateCache
 from k3batch.model import K3Model, get_flavor
 from k3batch.model.forward_batch import ForwardBatch
 from k3batch.model.init import init_random_
 from k3batch.parallel.context import merge_lse, partial_attention
 from k3batch.parallel.group import ParallelGroup, ParallelLayout, create_groups
-from k3batch.parallel.handoff import (
-    handoff_bytes,
-    reshard_request,
-    unshard_request,
-    write_request_,
-)
-from k3batch.parallel.tp import (
-    build_rank_model,
-    load_rank_weights_,
-    rank_cache,
-    shard_full_state_dict,
-)
-from k3batch.testing import assert_close
+from k3batch.parallel.handoff import handoff_bytes, reshard_request, unshard_request
+from k3batch.parallel.tp import build_rank_model, load_rank_weights_, shard_full_state_dict
+from k3batch.testing import assert_close, slot_batch, slot_cache, slot_pages, slot_tensors
 
 PROMPT_LENS = (5, 12, 19)
 PINNED_STEPS, FREE_STEPS = 6, 16
@@ -53,12 +42,18 @@ CACHE_MAX_ABS, CACHE_REL_RMS = 2e-3, 1e-3
 RANK_SLOTS = [2, 0, 3]  # the ranks store the requests in other slots than the single device
 
 
-def _request_cache(cache: StateCache, slot: int, num_tokens: int) -> dict:
+def _request_cache(cache, slot: int, num_tokens: int) -> dict:
     return {
-        "kda_state": {i: t[slot].clone() for i, t in cache.kda_state.items()},
-        "kda_conv": {i: t[slot].clone() for i, t in cache.kda_conv.items()},
-        "mla_latent": {i: t[slot, :num_tokens].clone() for i, t in cache.mla_latent.items()},
+        kind: {i: t.clone() for i, t in layers.items()}
+        for kind, layers in slot_tensors(cache, slot, num_tokens).items()
     }
+
+
+def _rank_cache(config, layout, num_slots):
+    return slot_cache(
+        config, range(config.num_hidden_layers), num_slots=num_slots, max_seq_len=MAX_SEQ_LEN,
+        device="cpu", dtype=torch.float32, tp_size=layout.tp_size, dcp_size=layout.dcp_size,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -89,27 +84,15 @@ def _reference(name: str) -> Reference:
     model = init_random_(K3Model(_config(name), dtype=torch.float32), seed=0).eval()
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 256, (n,), generator=g) for n in PROMPT_LENS]
-    cache = StateCache(
-        model.config,
-        range(model.config.num_hidden_layers),
-        num_slots=len(prompts),
-        max_seq_len=MAX_SEQ_LEN,
-        device="cpu",
-        dtype=torch.float32,
-    )
+    cache = _rank_cache(model.config, ParallelLayout(tp_size=1), len(prompts))
     B = len(prompts)
     with torch.no_grad():
-        b = ForwardBatch(seq_lens=list(PROMPT_LENS), cached_lens=[0] * B, slot_ids=list(range(B)))
+        b = slot_batch(cache, PROMPT_LENS, [0] * B, range(B))
         tokens = [model.forward_batch(torch.cat(prompts), b, cache).argmax(-1)]
         before = [_request_cache(cache, s, n) for s, n in enumerate(PROMPT_LENS)]
         logits, routes = [], []
         for t in range(FREE_STEPS):
-            b = ForwardBatch(
-                seq_lens=[1] * B,
-                cached_lens=[n + t for n in PROMPT_LENS],
-                slot_ids=list(range(B)),
-                routes_out={},
-            )
+            b = slot_batch(cache, [1] * B, [n + t for n in PROMPT_LENS], range(B), routes_out={})
             logits.append(model.forward_batch(tokens[-1], b, cache))
             tokens.append(logits[-1].argmax(-1))
             routes.append(b.routes_out)
@@ -131,10 +114,11 @@ def _decode(model, cache, data, *, pinned: bool):
     tokens = data["tokens"][0]
     logits, out_tokens = [], []
     for t in range(PINNED_STEPS if pinned else FREE_STEPS):
-        b = ForwardBatch(
-            seq_lens=[1] * B,
-            cached_lens=[n + t for n in PROMPT_LENS],
-            slot_ids=RANK_SLOTS,
+        b = slot_batch(
+            cache,
+            [1] * B,
+            [n + t for n in PROMPT_LENS],
+            RANK_SLOTS,
             pinned_routes=data["routes"][t] if pinned else None,
         )
         with torch.no_grad():
@@ -166,21 +150,14 @@ def _worker(rank: int, world: int, port: int, in_path: str, out_dir: str) -> Non
             model.load_state_dict(data["shards"][rank], strict=True)
             out = {}
             for pinned in (True, False) if dcp in data["free_dcps"] else (True,):
-                cache = rank_cache(
-                    config,
-                    layout,
-                    rank,
-                    num_slots=4,
-                    max_seq_len=MAX_SEQ_LEN,
-                    device="cpu",
-                    dtype=torch.float32,
-                )
+                cache = _rank_cache(config, layout, 4)
                 for slot, pieces in zip(RANK_SLOTS, data["pieces"][dcp][rank]):
-                    write_request_(cache, slot, pieces)
+                    cache.write_request_(slot, slot_pages(cache, slot), pieces)
                 logits, tokens = _decode(model, cache, data, pinned=pinned)
                 if pinned:
                     out["logits"] = logits
-                    out["cache"] = [_request_cache(cache, s, cache.max_seq_len) for s in RANK_SLOTS]
+                    local_len = cache.pages_per_slot * cache.page_size
+                    out["cache"] = [_request_cache(cache, s, local_len) for s in RANK_SLOTS]
                 else:
                     out["tokens"] = tokens
             results[dcp] = out
@@ -281,26 +258,27 @@ def test_handoff_is_exact(tp_size, dcp_size):
             for i, t in layers.items():
                 assert torch.equal(back[kind][i], t), (kind, i)
         for r, p in enumerate(pieces):
-            cache = rank_cache(
-                config, layout, r, num_slots=3, max_seq_len=MAX_SEQ_LEN, device="cpu",
-                dtype=torch.float32,
-            )  # fmt: skip
-            for kind in p:  # poison: unused slots must stay untouched
-                for t in getattr(cache, kind).values():
-                    t.fill_(1e30)
-            write_request_(cache, 1, p)
+            cache = _rank_cache(config, layout, 3)
+            cache.arena.fill_(0xFF)  # poison: bytes outside slot 1 must stay untouched
+            before = cache.arena.clone()
+            cache.write_request_(1, slot_pages(cache, 1), p)
+            num_tokens = len(next(iter(full["mla_latent"].values())))
+            got = slot_tensors(cache, 1, -(-num_tokens // dcp_size))
             heads = config.kda_num_heads // tp_size
             channels = heads * config.kda_head_dim
             for i, t in full["kda_state"].items():
-                assert torch.equal(cache.kda_state[i][1], t[r * heads : (r + 1) * heads])
+                assert torch.equal(got["kda_state"][i], t[r * heads : (r + 1) * heads])
             for i, t in full["kda_conv"].items():
-                assert torch.equal(cache.kda_conv[i][1], t[:, r * channels : (r + 1) * channels])
+                assert torch.equal(got["kda_conv"][i], t[:, r * channels : (r + 1) * channels])
             for i, t in full["mla_latent"].items():
                 rows = t[r % dcp_size :: dcp_size]
-                assert torch.equal(cache.mla_latent[i][1, : rows.shape[0]], rows)
-            for kind in p:
-                for t in getattr(cache, kind).values():
-                    assert bool((t[0] == 1e30).all() and (t[2] == 1e30).all())
+                assert torch.equal(got["mla_latent"][i][: rows.shape[0]], rows)
+            allowed = torch.zeros_like(before, dtype=torch.bool)
+            bb, pb = cache.layout.block_bytes, cache.layout.page_bytes
+            allowed[bb : 2 * bb] = True
+            for j in slot_pages(cache, 1):
+                allowed[cache.total_bytes - (j + 1) * pb : cache.total_bytes - j * pb] = True
+            assert not ((cache.arena != before) & ~allowed).any()
         total = sum(handoff_bytes(p) for p in pieces[:dcp_size])  # one DCP group holds MLA once
         kda = sum(handoff_bytes({k: full[k]}) for k in ("kda_state", "kda_conv"))
         assert total == kda * dcp_size // tp_size + handoff_bytes(
@@ -363,8 +341,7 @@ def test_rank_model_prefill_with_dcp_raises():
     layout = ParallelLayout(tp_size=2, dcp_size=2)
     tp, dcp = ParallelGroup.detached(0, 2), ParallelGroup.detached(0, 2)
     model = build_rank_model(config, layout, tp, dcp, dtype=torch.float32, device="cpu")
-    cache = rank_cache(config, layout, 0, num_slots=1, max_seq_len=8, device="cpu",
-                       dtype=torch.float32)  # fmt: skip
+    cache = _rank_cache(config, layout, 1)
     with pytest.raises(ValueError, match="decode only"):
         model.forward_batch(torch.zeros(2, dtype=torch.long), ForwardBatch([2], [0], [0]), cache)
     with pytest.raises(ValueError, match="decode only"):  # the MLA layer checks on its own too

@@ -1,0 +1,36 @@
+"""EngineConfig: the runtime settings of one engine (scheduling and cache memory)."""
+
+from dataclasses import dataclass
+
+MEMORY_POOLS = ("unified", "static")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    max_num_seqs: int = 8  # requests running at once
+    max_seq_len: int = 4096  # prompt + output tokens per request
+    chunk_size: int = 256  # prompt tokens per request per prefill step
+    max_batch_tokens: int = 2048  # tokens per prefill step
+    page_size: int = 16  # tokens per MLA page (local tokens under DCP)
+    memory_pool: str = "unified"  # "unified": KDA blocks and MLA pages share one arena;
+    # "static": a fixed region of max_num_seqs KDA blocks, pages in the rest (for comparison)
+    prefix_cache: bool = True  # share prompt prefixes: MLA pages and KDA checkpoints
+    cache_bytes: int = 0  # arena bytes per device; 0: memory_fraction on a GPU when set,
+    # else room for max_num_seqs requests of max_seq_len tokens
+    memory_fraction: float = 0.0  # of a GPU's memory for weights + cache (0: unset)
+
+    def validate(self) -> "EngineConfig":
+        for name in ("max_num_seqs", "max_seq_len", "chunk_size", "max_batch_tokens", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} = {getattr(self, name)} must be >= 1")
+        if self.chunk_size > self.max_batch_tokens:
+            raise ValueError(
+                f"chunk_size = {self.chunk_size} > max_batch_tokens = {self.max_batch_tokens}"
+            )
+        if self.memory_pool not in MEMORY_POOLS:
+            raise ValueError(f"memory_pool = {self.memory_pool!r} must be one of {MEMORY_POOLS}")
+        if self.cache_bytes < 0:
+            raise ValueError(f"cache_bytes = {self.cache_bytes} must be >= 0")
+        if not 0 <= self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction = {self.memory_fraction} must be in [0, 1]")
+        return self

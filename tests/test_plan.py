@@ -1,0 +1,144 @@
+"""The capacity planner against the K3 blog's figures (spec sections 8, 9), its errors, the CLI."""
+
+import dataclasses
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from k3batch.cli import main
+from k3batch.plan import (
+    MXFP4_BYTES_PER_PARAM,
+    GiB,
+    checkpoint_config,
+    make_plan,
+    pool_bytes,
+    weight_bytes,
+)
+
+K3 = checkpoint_config("k3")
+BLOG = {"tp_size": 8, "cache_bytes": 40 * GiB, "context_len": 1 << 20}  # the blog's assumptions
+
+
+def test_k3_cache_bytes_per_gpu_at_tp8():
+    plan = make_plan(K3, **BLOG)
+    assert plan.mla_bytes_per_token == 27_648
+    assert plan.kda_state_bytes == 54_263_808
+    assert plan.kda_conv_bytes == 1_907_712  # 69 layers x 3 x 1536 channels x 3 x 2 B
+    assert plan.kda_block_bytes == 54_263_808 + 1_907_712  # both already 256-aligned
+    assert make_plan(K3, **BLOG, dcp_size=8).mla_bytes_per_token == 3_456
+
+
+def test_k3_logical_capacity_matches_blog():
+    no_dcp, dcp8 = make_plan(K3, **BLOG), make_plan(K3, **BLOG, dcp_size=8)
+    # 40 GiB / (54,263,808 / 2^20 + 27,648) and 40 GiB / (... + 3,456)
+    assert no_dcp.capacity_tokens == 1_550_543  # blog: ~1.5M
+    assert dcp8.capacity_tokens == 12_244_222  # blog: ~12.2M
+    assert dcp8.capacity_tokens_no_dcp == no_dcp.capacity_tokens
+    assert 7.85 <= dcp8.dcp_gain <= 7.95  # not 8: the KDA block is not split by DCP
+    # whole 1M-token requests, with conv states and page rounding: 11 per group with DCP8
+    assert dcp8.pages_per_request == 2048 and dcp8.max_requests == 11
+    assert no_dcp.max_requests == 1
+
+
+def test_k3_weights_do_not_fit_on_h200_at_tp8():
+    total = weight_bytes(K3)
+    assert 1.55e12 < total < 1.57e12  # the checkpoint is ~1.56 TB with MXFP4 experts
+    plan = make_plan(K3, tp_size=8)
+    # replicated tensors (embedding, router, latent projections) put a rank above total / 8
+    assert total / 8 < plan.decode_weight_bytes < total / 8 * 1.1
+    assert not plan.fits and plan.pool_bytes is None and plan.capacity_tokens is None
+    assert any("decode rank weights 207.1 GB" in p for p in plan.problems)
+    text = str(plan)
+    assert "DOES NOT FIT" in text and "pool: none" in text
+    assert "27,648 B / token" in text and "54,263,808 B / request" in text
+    assert "-" not in text.split("pool:")[1].split("\n")[0]  # no negative pool
+
+
+def test_expert_bytes_follow_the_checkpoint_format():
+    bf16 = dataclasses.replace(K3, experts_mxfp4=False)
+    experts = 92 * 896 * 3 * 3072 * 3584  # routed-expert parameters
+    assert weight_bytes(bf16) - weight_bytes(K3) == pytest.approx(
+        experts * (2 - MXFP4_BYTES_PER_PARAM), abs=1
+    )
+
+
+def test_prefill_stage_weights_use_the_largest_stage():
+    plan = make_plan(K3, pp_size=8, tp_size=8)
+    assert plan.stage_layers[0] == (0, 12) and plan.stage_layers[-1] == (84, 93)
+    stages = [weight_bytes(K3, layer_range=r) for r in plan.stage_layers]
+    assert plan.prefill_weight_bytes == max(stages)
+    assert sum(stages) == pytest.approx(weight_bytes(K3), abs=8)  # ceil per stage
+
+
+def test_pool_bytes():
+    assert pool_bytes(100, 0.5, 20, 10) == 20
+    with pytest.raises(ValueError, match="short by 207"):
+        pool_bytes(int(141e9), 0.9, 330_000_000_000, 4 * GiB)
+    with pytest.raises(ValueError, match="memory_fraction = 1.5"):
+        pool_bytes(100, 1.5, 0, 0)
+
+
+_BAD = [
+    ({"tp_size": 8, "dcp_size": 3}, "dcp_size = 3 must divide tp_size = 8"),
+    ({"tp_size": 5}, "tp_size = 5 does not divide kda_num_heads = 96"),
+    ({"memory_fraction": 0.0}, "memory_fraction = 0.0"),
+    ({"memory_fraction": 1.2}, "memory_fraction = 1.2"),
+    ({"pp_size": 94}, "pp_size = 94 must be in"),
+    ({"pp_size": 0}, "pp_size = 0"),
+    ({"gpu": "a100"}, "gpu = 'a100' unknown"),
+    ({"page_size": 0}, "page_size = 0"),
+    ({"context_len": 0}, "context_len = 0"),
+    ({"cache_bytes": 0}, "cache_bytes = 0"),
+    ({"reserve_bytes": -1}, "reserve_bytes = -1"),
+]
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [pytest.param(kw, m, id="-".join(f"{k}{v}" for k, v in kw.items())) for kw, m in _BAD],
+)
+def test_bad_layouts_raise(kw, match):
+    with pytest.raises(ValueError, match=match):
+        make_plan(K3, **kw)
+
+
+def test_tiny_flavor_plan_fits():
+    plan = make_plan(checkpoint_config("k3-debug"), pp_size=4, tp_size=2, dcp_size=2)
+    assert plan.fits and plan.pool_source == "memory"
+    assert plan.pool_bytes == int(141e9 * 0.9) - plan.decode_weight_bytes - 4 * GiB
+    assert plan.max_requests >= 1 and plan.capacity_tokens > 0
+    assert plan.expert_bytes_per_param == 2
+    d = plan.as_dict()
+    assert d["fits"] and d["capacity_tokens"] == plan.capacity_tokens
+    assert "fits: yes" in plan.lines()
+
+
+def test_cli_plan_reproduces_blog_numbers():
+    runner = CliRunner()
+    args = ["plan", "--flavor", "k3", "--tp", "8", "--cache-gib", "40"]
+    out = runner.invoke(main, args + ["--dcp", "8"])
+    assert out.exit_code == 0, out.output
+    for figure in ("3,456 B / token", "54,263,808 B / request", "1,907,712 B conv"):
+        assert figure in out.output
+    assert "12,244,222 tokens (12.24M)" in out.output and "DCP gain 7.90x" in out.output
+    assert "DOES NOT FIT" in out.output
+    out = runner.invoke(main, args)
+    assert "27,648 B / token" in out.output and "1,550,543 tokens" in out.output
+
+
+def test_cli_plan_tiny_flavor_and_bad_layout():
+    runner = CliRunner()
+    out = runner.invoke(main, ["plan", "--flavor", "k3-debug", "--tp", "2", "--gpu", "h100"])
+    assert out.exit_code == 0, out.output
+    assert "fits: yes" in out.output
+    out = runner.invoke(main, ["plan", "--flavor", "k3-debug"])  # tp 8 > 2 KDA heads
+    assert out.exit_code != 0 and "does not divide kda_num_heads = 2" in out.output
+
+
+def test_cli_plan_reads_a_checkpoint_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(K3.to_hf()))  # with quantization_config
+    out = CliRunner().invoke(main, ["plan", "--model", str(tmp_path), "--tp", "8"])
+    assert out.exit_code == 0, out.output
+    assert f"{make_plan(K3, tp_size=8).decode_weight_bytes:,} B" in out.output
+    assert "routed experts 0.53125 B/param" in out.output
