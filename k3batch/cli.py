@@ -206,6 +206,35 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, json
             f.write(json.dumps(row) + "\n")
 
 
+@bench.command("layouts")
+@click.option("--flavor", default="k3-slice", show_default=True)
+@click.option("--gpus", default=8, show_default=True, type=int, help="Devices of this host.")
+@click.option("--device", default="cuda", show_default=True, help="cuda, or cpu (gloo) to try.")
+@click.option("--prompt-len", default=8192, show_default=True, type=int)
+@click.option("--chunk-sizes", default="1024,2048,4096", show_default=True)
+@click.option("--decode-batch", default=32, show_default=True, type=int)
+@click.option("--context-len", default=8192, show_default=True, type=int)
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def bench_layouts(flavor, gpus, device, prompt_len, chunk_sizes, decode_batch, context_len,
+                  json_path):  # fmt: skip
+    """PP-N vs TP-N prefill and TP-N vs TP-N + DCP-N decode on N devices (random weights)."""
+    import json
+
+    from k3batch.bench_layouts import LayoutBench, format_rows, run_layout_bench
+
+    bench = LayoutBench(flavor=flavor, num_devices=gpus, device=device, prompt_len=prompt_len,
+                        chunk_sizes=tuple(int(c) for c in chunk_sizes.split(",")),
+                        decode_batch=decode_batch, context_len=context_len)  # fmt: skip
+    try:
+        rows = run_layout_bench(bench)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    click.echo(format_rows(rows))
+    if json_path:
+        with open(json_path, "a") as f:
+            f.writelines(json.dumps(r | {"flavor": flavor, "gpus": gpus}) + "\n" for r in rows)
+
+
 @main.command("plan")
 @click.option("--flavor", default="k3", show_default=True, help="Named config (k3: MXFP4 experts).")
 @click.option("--model", "model_dir", default=None, type=click.Path(exists=True, file_okay=False),

@@ -69,6 +69,15 @@ def pool_bytes(
     return left
 
 
+def capacity_tokens(
+    pool_bytes: int, kda_state_bytes: int, token_bytes: float, context_len: int
+) -> int:
+    """Logical context capacity: tokens of context that fit in a pool of pool_bytes per GPU
+    when requests are context_len tokens long, each also holding its KDA state (fractional
+    requests allowed). token_bytes: MLA bytes per token per GPU (divided by DCP)."""
+    return int(pool_bytes / (kda_state_bytes / context_len + token_bytes))
+
+
 @functools.lru_cache(maxsize=8)
 def _tensors(config: K3Config) -> tuple[tuple[str, float, bool], ...]:
     """(name, checkpoint bytes, split over TP) for every parameter of the whole model."""
@@ -286,7 +295,7 @@ def make_plan(
     state = num_kda * layout.state_bytes
 
     def capacity(token_bytes: float) -> int | None:
-        return None if pool is None else int(pool / (state / context_len + token_bytes))
+        return None if pool is None else capacity_tokens(pool, state, token_bytes, context_len)
 
     return Plan(
         name=name,

@@ -349,3 +349,22 @@ def test_parallel_job_writes_the_same_tokens(cluster, model_dir, tmp_path, pp, t
     if tp > 1:
         (group,) = report.decode_groups
         assert group["handoffs"] == 8 and min(group["handoff_bytes_per_rank"]) > 0
+
+
+def test_shared_system_prompt_job_reports_prefix_hits(cluster, model_dir, tmp_path):
+    system = {"role": "system", "content": " ".join(["kimi linear attention batch"] * 4)}
+    msgs = [[system, {"role": "user", "content": p}] for p in _prompts(10, 12)]
+    pq.write_table(pa.table({"messages": msgs}), tmp_path / "in.parquet")
+    spec = _spec(model_dir, tmp_path / "in.parquet", tmp_path / "out", name="sys")
+    engine = EngineConfig(max_num_seqs=2, max_seq_len=256, chunk_size=32, page_size=8)
+    report = run_job(replace(spec, engine=engine))
+    (stats,) = report.cache
+    cache = stats["cache"]
+    # requests admitted after another's system prompt was checkpointed resume from it (the
+    # driver's units arrive while others run, so not every later request hits)
+    assert cache["prefix_hits"] >= 5 and cache["prefix_hit_tokens"] >= 5 * 64
+    assert "prefix hits" in report.summary() and "prefill tokens saved" in report.summary()
+    off = run_job(replace(spec, output=replace(spec.output, path=str(tmp_path / "off")),
+                          engine=replace(engine, prefix_cache=False)))  # fmt: skip
+    assert off.cache[0]["cache"]["prefix_hits"] == 0
+    assert pq.read_table(tmp_path / "off").num_rows == 10

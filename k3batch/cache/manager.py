@@ -54,6 +54,8 @@ class CacheManager:
     ):
         """page_size: tokens per page in each arena (local tokens under DCP). static_blocks:
         None for the unified pool, else the KDA blocks of a static split."""
+        if prefix_cache and dcp_size > 1:
+            raise ValueError("a prefix cache needs whole-sequence pages (dcp_size = 1)")
         self.arena = Arena(specs, static_blocks=static_blocks)
         self.page_size, self.dcp_size = page_size, dcp_size
         self.tree = RadixCache(page_size) if prefix_cache else None
@@ -100,13 +102,16 @@ class CacheManager:
             hit, shared, node = self.tree.match(tokens, set(points))
             self.tree.lock(node)
         need = self.pages_for(num_tokens) - len(shared)
-        if not self._make_room(1, need) and hit:
-            # The locked hit itself may be what is in the way: try again as a miss.
+        fits = self._make_room(1, need)
+        if hit and (not fits or node.checkpoint is None):
+            # The locked hit itself may be in the way, or making room evicted its checkpoint
+            # (checkpoints are evictable even on locked paths): admit it as a miss.
             self.tree.unlock(node)
             hit, shared, node = 0, [], self.tree.root
             self.tree.lock(node)
             need = self.pages_for(num_tokens)
-        if not self.arena.can_fit(1, need) and not self._make_room(1, need):
+            fits = self._make_room(1, need)
+        if not fits:
             if node is not None:
                 self.tree.unlock(node)
             self.stats.admission_waits += 1

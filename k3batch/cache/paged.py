@@ -57,8 +57,10 @@ class PagedCache:
     def apply(self, moves: list[Move]) -> None:
         """Copy blocks and pages (compaction moves, checkpoint saves and restores), in order."""
         for kind, src, dst in moves:
-            a, b = self._offset(kind, src), self._offset(kind, dst)
             n = self.layout.block_bytes if kind == "block" else self.layout.page_bytes
+            if n == 0:  # a stage without layers of this kind
+                continue
+            a, b = self._offset(kind, src), self._offset(kind, dst)
             self.arena[b : b + n].copy_(self.arena[a : a + n])
 
     def _offset(self, kind: str, idx: int) -> int:

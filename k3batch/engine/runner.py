@@ -16,8 +16,6 @@ from k3batch.cache.paged import PagedCache
 from k3batch.engine.config import EngineConfig
 from k3batch.model.forward_batch import ForwardBatch
 
-ACTIVATION_RESERVE_BYTES = 4 << 30  # kept free on a GPU for activations and workspaces
-
 
 def arena_bytes(
     layout: CacheLayout, config: EngineConfig, device, *, dcp_size: int = 1, extra: int = 0
@@ -30,10 +28,10 @@ def arena_bytes(
         return config.cache_bytes
     device = torch.device(device)
     if config.memory_fraction and device.type == "cuda":
-        from k3batch.plan import pool_bytes
+        from k3batch.plan import DEFAULT_RESERVE_BYTES, pool_bytes
 
         free, total = torch.cuda.mem_get_info(device)
-        return pool_bytes(total, config.memory_fraction, total - free, ACTIVATION_RESERVE_BYTES)
+        return pool_bytes(total, config.memory_fraction, total - free, DEFAULT_RESERVE_BYTES)
     local_len = -(-config.max_seq_len // dcp_size)
     per_request = layout.block_bytes + layout.pages_for(local_len) * layout.page_bytes
     return (config.max_num_seqs + extra) * per_request
