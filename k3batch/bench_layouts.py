@@ -63,7 +63,8 @@ class LayoutBench:
 
 
 def run_layout_bench(bench: LayoutBench) -> list[dict]:
-    """Spawn one process per device; returns rank 0's result rows."""
+    """Spawn one process per device; rank 0 prints each row as it is measured. Returns the
+    rows."""
     if bench.device == "cuda" and torch.cuda.device_count() < bench.num_devices:
         raise ValueError(
             f"num_devices = {bench.num_devices} > {torch.cuda.device_count()} visible GPUs"
@@ -72,10 +73,10 @@ def run_layout_bench(bench: LayoutBench) -> list[dict]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
+        out = os.path.join(tmp, "rows.jsonl")
         mp.spawn(_worker, args=(bench, port, out), nprocs=bench.num_devices, join=True)
         with open(out) as f:
-            return json.load(f)
+            return [json.loads(line) for line in f]
 
 
 def _worker(rank: int, bench: LayoutBench, port: int, out_path: str) -> None:
@@ -90,24 +91,27 @@ def _worker(rank: int, bench: LayoutBench, port: int, out_path: str) -> None:
         rank=rank,
         world_size=bench.num_devices,
         timeout=timedelta(seconds=600),
+        device_id=torch.device("cuda", rank) if cuda else None,
     )
+    def report(row):  # as soon as measured: a run cut short keeps what it has
+        if rank == 0:
+            print(format_rows([row]), flush=True)
+            with open(out_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
     try:
         ctx = _Context(bench, rank)
-        rows = []
         for chunk in bench.chunk_sizes:
-            rows.append(_pp_prefill(ctx, chunk))
+            report(_pp_prefill(ctx, chunk))
         del ctx.stage
         ctx.free()
         for chunk in bench.chunk_sizes:
-            rows.append(_tp_prefill(ctx, chunk))
+            report(_tp_prefill(ctx, chunk))
         del ctx.tp_model
         ctx.free()
         for dcp in sorted({1, bench.num_devices}):
-            rows.append(_decode(ctx, dcp))
+            report(_decode(ctx, dcp))
             ctx.free()
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(rows, f)
     finally:
         dist.destroy_process_group()
 

@@ -214,22 +214,23 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, json
 @click.option("--chunk-sizes", default="1024,2048,4096", show_default=True)
 @click.option("--decode-batch", default=32, show_default=True, type=int)
 @click.option("--context-len", default=8192, show_default=True, type=int)
+@click.option("--repeats", default=2, show_default=True, type=int, help="Timed runs (best kept).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def bench_layouts(flavor, gpus, device, prompt_len, chunk_sizes, decode_batch, context_len,
-                  json_path):  # fmt: skip
+                  repeats, json_path):  # fmt: skip
     """PP-N vs TP-N prefill and TP-N vs TP-N + DCP-N decode on N devices (random weights)."""
     import json
 
-    from k3batch.bench_layouts import LayoutBench, format_rows, run_layout_bench
+    from k3batch.bench_layouts import LayoutBench, run_layout_bench
 
     bench = LayoutBench(flavor=flavor, num_devices=gpus, device=device, prompt_len=prompt_len,
                         chunk_sizes=tuple(int(c) for c in chunk_sizes.split(",")),
-                        decode_batch=decode_batch, context_len=context_len)  # fmt: skip
+                        decode_batch=decode_batch, context_len=context_len,
+                        repeats=repeats)  # fmt: skip
     try:
-        rows = run_layout_bench(bench)
+        rows = run_layout_bench(bench)  # prints each row as it is measured
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    click.echo(format_rows(rows))
     if json_path:
         with open(json_path, "a") as f:
             f.writelines(json.dumps(r | {"flavor": flavor, "gpus": gpus}) + "\n" for r in rows)
