@@ -9,8 +9,10 @@ Prefill: one prompt of `prompt_len` tokens in chunks of `chunk_size`, back to ba
         all-reduces after each row-parallel layer.
   Throughput = prompt_len / wall time (the best of `repeats`, after a warm-up).
 Exposed communication per 1K prompt tokens:
-  TP: time in the collectives, measured with CUDA events on the compute stream (NCCL runs on
-      it, so nothing overlaps them), mean over ranks.
+  TP: every all-reduce is exposed (NCCL runs on the compute stream, nothing overlaps it), so
+      exposed = 2 all-reduces of [T, D] per layer, each timed alone with every rank ready
+      (min of 5), per 1K tokens. Beside it, the time the ranks measured inside their
+      collectives during the run (CUDA events): that adds the wait for the slowest rank.
   PP: a stage receives chunk c + 1 only after computing chunk c, so each chunk's transfer is
       on the critical path once, in parallel across stages: exposed = the transfer time of one
       chunk's stream at the widest boundary (measured by a ping with both sides ready), per
@@ -93,6 +95,7 @@ def _worker(rank: int, bench: LayoutBench, port: int, out_path: str) -> None:
         timeout=timedelta(seconds=600),
         device_id=torch.device("cuda", rank) if cuda else None,
     )
+
     def report(row):  # as soon as measured: a run cut short keeps what it has
         if rank == 0:
             print(format_rows([row]), flush=True)
@@ -328,14 +331,32 @@ def _tp_prefill(ctx: _Context, chunk: int) -> dict:
             best, comm = wall, ctx.mean_over_ranks(ctx.timed_tp.seconds())
     del cache
     # two all-reduces of [T, D] per layer (attention and FFN outputs), ring: 2(N-1)/N each
+    L, T = ctx.config.num_hidden_layers, min(chunk, b.prompt_len)
     ring = 2 * (N - 1) / N
-    moved = 2 * ctx.config.num_hidden_layers * 1000 * D * ctx.dtype.itemsize * ring
+    moved = 2 * L * 1000 * D * ctx.dtype.itemsize * ring
     return {
         "phase": "prefill", "layout": f"tp{N}", "chunk_size": chunk,
         "tokens_per_s": round(b.prompt_len / best, 1), "wall_s": round(best, 4),
-        "exposed_comm_ms_per_1k": round(1e3 * comm * 1000 / b.prompt_len, 3),
+        "exposed_comm_ms_per_1k": round(1e3 * 2 * L * _all_reduce_time(ctx, T) * 1000 / T, 3),
+        "collective_wait_ms_per_1k": round(1e3 * comm * 1000 / b.prompt_len, 3),
         "comm_bytes_per_1k": int(moved),
     }  # fmt: skip
+
+
+def _all_reduce_time(ctx: _Context, num_tokens: int) -> float:
+    """Seconds of one all-reduce of [num_tokens, D] over all ranks, every rank ready (min of 5)."""
+    if ctx.N == 1:
+        return 0.0
+    buf = torch.zeros(num_tokens, ctx.config.hidden_size, dtype=ctx.dtype, device=ctx.device)
+    best = float("inf")
+    for _ in range(6):
+        dist.barrier()
+        ctx.sync()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        ctx.sync()
+        best = min(best, ctx.max_over_ranks(time.perf_counter() - t0))
+    return best
 
 
 def _decode(ctx: _Context, dcp_size: int) -> dict:
@@ -387,11 +408,10 @@ def format_rows(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         if r["phase"] == "prefill":
-            extra = (
-                f", stage receive waits {r['recv_wait_ms_per_1k']} ms"
-                if "recv_wait_ms_per_1k" in r
-                else ""
-            )
+            if "recv_wait_ms_per_1k" in r:
+                extra = f" (stage receive waits {r['recv_wait_ms_per_1k']} ms)"
+            else:
+                extra = f" (time in collectives {r['collective_wait_ms_per_1k']} ms)"
             lines.append(
                 f"prefill {r['layout']:>5} chunk {r['chunk_size']:>5}: {r['tokens_per_s']:>10,.0f} "
                 f"tok/s; exposed comm {r['exposed_comm_ms_per_1k']} ms / 1K tokens{extra}; "
