@@ -64,6 +64,30 @@ class LayoutBench:
     repeats: int = 2
 
 
+def comm_bytes_per_1k(config, num_devices: int, dtype_bytes: int = 2) -> dict:
+    """Bytes each layout moves per 1K prompt tokens: TP-N, per rank, 2 ring all-reduces of
+    [T, D] per layer at 2(N-1)/N each; PP-N, at the widest stage boundary (the slowest
+    transfer sets the pace), the stream [bank + 1, T, D]."""
+    N, D, L = num_devices, config.hidden_size, config.num_hidden_layers
+    ranges = split_layers(L, N, config.attn_res_block_size)
+    rows = max(bank_size(first, config.attn_res_block_size) + 1 for first, _ in ranges[1:]) \
+        if N > 1 else 0  # fmt: skip
+    return {
+        "tp": int(2 * L * 1000 * D * dtype_bytes * 2 * (N - 1) / N),
+        "pp": rows * 1000 * D * dtype_bytes,
+        "tp_all_reduces": 2 * L,  # per chunk of prompt tokens
+    }
+
+
+def projected_comm_ms_per_1k(config, num_devices: int, *, p2p_gbps: float,
+                             busbw_gbps: float) -> dict:  # fmt: skip
+    """Exposed communication per 1K prompt tokens from the volumes above and two bandwidths
+    (GB/s): point-to-point for PP, all-reduce bus bandwidth for TP (time = bytes moved per
+    rank / bus bandwidth)."""
+    v = comm_bytes_per_1k(config, num_devices)
+    return {"pp": v["pp"] / (p2p_gbps * 1e6), "tp": v["tp"] / (busbw_gbps * 1e6)}
+
+
 def run_layout_bench(bench: LayoutBench) -> list[dict]:
     """Spawn one process per device; rank 0 prints each row as it is measured. Returns the
     rows."""
@@ -248,13 +272,12 @@ def _pp_prefill(ctx: _Context, chunk: int) -> dict:
     transfer_s = _transfer_time(ctx, chunk)
     del cache
     per_1k = 1000 / b.prompt_len
-    widest = bank_size(ctx.ranges[-1][0], ctx.config.attn_res_block_size) + 1
     return {
         "phase": "prefill", "layout": f"pp{N}", "chunk_size": chunk,
         "tokens_per_s": round(b.prompt_len / best, 1), "wall_s": round(best, 4),
         "exposed_comm_ms_per_1k": round(1e3 * transfer_s * 1000 / min(chunk, b.prompt_len), 3),
         "recv_wait_ms_per_1k": round(1e3 * recv_s * per_1k, 3),
-        "comm_bytes_per_1k": widest * 1000 * D * ctx.dtype.itemsize,
+        "comm_bytes_per_1k": comm_bytes_per_1k(ctx.config, N, ctx.dtype.itemsize)["pp"],
     }  # fmt: skip
 
 
@@ -263,7 +286,8 @@ def _transfer_time(ctx: _Context, chunk: int) -> float:
     5 pings); 0 with one device."""
     if ctx.N == 1:
         return 0.0
-    rows = bank_size(ctx.ranges[-1][0], ctx.config.attn_res_block_size) + 1
+    width = comm_bytes_per_1k(ctx.config, ctx.N, 1)["pp"] // 1000  # [bank + 1, D] elements
+    rows = width // ctx.config.hidden_size
     n = min(chunk, ctx.bench.prompt_len)
     buf = torch.zeros(rows, n, ctx.config.hidden_size, dtype=ctx.dtype, device=ctx.device)
     best = float("inf")
@@ -308,7 +332,7 @@ def _rank_model(ctx: _Context, layout: ParallelLayout):
 
 
 def _tp_prefill(ctx: _Context, chunk: int) -> dict:
-    b, N, D = ctx.bench, ctx.N, ctx.config.hidden_size
+    b, N = ctx.bench, ctx.N
     if ctx.tp_model is None:
         ctx.tp_model = _rank_model(ctx, ParallelLayout(tp_size=N))
     layers = range(ctx.config.num_hidden_layers)
@@ -330,16 +354,13 @@ def _tp_prefill(ctx: _Context, chunk: int) -> dict:
         if rep and (best is None or wall < best):
             best, comm = wall, ctx.mean_over_ranks(ctx.timed_tp.seconds())
     del cache
-    # two all-reduces of [T, D] per layer (attention and FFN outputs), ring: 2(N-1)/N each
     L, T = ctx.config.num_hidden_layers, min(chunk, b.prompt_len)
-    ring = 2 * (N - 1) / N
-    moved = 2 * L * 1000 * D * ctx.dtype.itemsize * ring
     return {
         "phase": "prefill", "layout": f"tp{N}", "chunk_size": chunk,
         "tokens_per_s": round(b.prompt_len / best, 1), "wall_s": round(best, 4),
         "exposed_comm_ms_per_1k": round(1e3 * 2 * L * _all_reduce_time(ctx, T) * 1000 / T, 3),
         "collective_wait_ms_per_1k": round(1e3 * comm * 1000 / b.prompt_len, 3),
-        "comm_bytes_per_1k": int(moved),
+        "comm_bytes_per_1k": comm_bytes_per_1k(ctx.config, N, ctx.dtype.itemsize)["tp"],
     }  # fmt: skip
 
 

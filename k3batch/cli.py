@@ -236,6 +236,27 @@ def bench_layouts(flavor, gpus, device, prompt_len, chunk_sizes, decode_batch, c
             f.writelines(json.dumps(r | {"flavor": flavor, "gpus": gpus}) + "\n" for r in rows)
 
 
+@bench.command("comm")
+@click.option("--flavor", default="k3", show_default=True)
+@click.option("--gpus", default=8, show_default=True, type=int)
+@click.option("--p2p-gbps", required=True, type=float, help="Point-to-point bandwidth, GB/s.")
+@click.option("--busbw-gbps", required=True, type=float, help="All-reduce bus bandwidth, GB/s.")
+def bench_comm(flavor, gpus, p2p_gbps, busbw_gbps):
+    """Bytes PP-N and TP-N prefill move per 1K tokens, and the exposed time at given bandwidths
+    (computed; no GPU needed)."""
+    from k3batch.bench_layouts import comm_bytes_per_1k, projected_comm_ms_per_1k
+    from k3batch.model import get_flavor
+
+    config = get_flavor(flavor)
+    vol = comm_bytes_per_1k(config, gpus)
+    ms = projected_comm_ms_per_1k(config, gpus, p2p_gbps=p2p_gbps, busbw_gbps=busbw_gbps)
+    click.echo(f"{flavor}, {gpus} devices, bf16 activations, per 1K prompt tokens:")
+    click.echo(f"  tp{gpus}: {vol['tp'] / 1e6:,.1f} MB per rank ({vol['tp_all_reduces']} all-reduces)"
+               f" -> {ms['tp']:.2f} ms at {busbw_gbps:g} GB/s bus bandwidth")  # fmt: skip
+    click.echo(f"  pp{gpus}: {vol['pp'] / 1e6:,.1f} MB at the widest stage boundary"
+               f" -> {ms['pp']:.2f} ms at {p2p_gbps:g} GB/s point to point")  # fmt: skip
+
+
 @main.command("plan")
 @click.option("--flavor", default="k3", show_default=True, help="Named config (k3: MXFP4 experts).")
 @click.option("--model", "model_dir", default=None, type=click.Path(exists=True, file_okay=False),

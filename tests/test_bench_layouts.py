@@ -27,3 +27,17 @@ def test_layout_bench_runs_on_two_cpu_processes():
     assert pp["comm_bytes_per_1k"] == (stage2_first // 12 + 1) * 1000 * D * 4
     assert tp["exposed_comm_ms_per_1k"] > 0 and pp["exposed_comm_ms_per_1k"] > 0
     assert "pp2" in format_rows(rows)
+
+
+def test_comm_volumes_for_k3_on_8_devices():
+    from click.testing import CliRunner
+
+    from k3batch.bench_layouts import comm_bytes_per_1k
+    from k3batch.cli import main
+    from k3batch.model import get_flavor
+
+    vol = comm_bytes_per_1k(get_flavor("k3"), 8)
+    assert vol["tp"] == 2 * 93 * 1000 * 7168 * 2 * 7 // 4  # 186 ring all-reduces at 2 * 7/8
+    assert vol["pp"] == 8 * 1000 * 7168 * 2  # stage 8 receives 7 block summaries + partial
+    out = CliRunner().invoke(main, ["bench", "comm", "--p2p-gbps", "100", "--busbw-gbps", "100"])
+    assert out.exit_code == 0 and "46.66 ms" in out.output and "1.15 ms" in out.output
