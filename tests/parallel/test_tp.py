@@ -3,7 +3,9 @@
 One fp32 random model prefills three prompts on one device; each request's cache is resharded
 to every rank (`reshard_request`), the rank models get `shard_full_state_dict` weights, and the
 ranks decode with the single device's greedy tokens as inputs (teacher forcing) and its expert
-choices pinned. k3-debug has 2 KDA and 2 MLA heads, so TP 4 runs "k3-debug-h4" (the same model
+choices pinned; with DCP 1 the ranks also prefill the prompts (the path `k3batch bench layouts`
+times as TP-N prefill), routes pinned, against the single device's prefill logits and caches.
+k3-debug has 2 KDA and 2 MLA heads, so TP 4 runs "k3-debug-h4" (the same model
 with 4 of each). Exact (torch.equal): the handoff (reshard, gather back, stored slots, untouched
 neighbours) and agreement between ranks (all-gathered logits, the same bits on every rank).
 Close: TP and DCP change the order of fp32 sums (all-reduces, the expert combine, the LSE merge
@@ -64,6 +66,9 @@ class Reference:
     tokens: torch.Tensor  # [FREE_STEPS + 1, B]: decode inputs (greedy tokens)
     logits: torch.Tensor  # [FREE_STEPS, B, V]
     routes: list[dict]  # per step: {layer: [B, top_k] expert ids}
+    prompt_ids: torch.Tensor  # [sum(PROMPT_LENS)]: the prompts, packed
+    prefill_logits: torch.Tensor  # [B, V]
+    prefill_routes: dict  # {layer: [sum(PROMPT_LENS), top_k] expert ids}
 
 
 _REFERENCES = {}
@@ -87,8 +92,9 @@ def _reference(name: str) -> Reference:
     cache = _rank_cache(model.config, ParallelLayout(tp_size=1), len(prompts))
     B = len(prompts)
     with torch.no_grad():
-        b = slot_batch(cache, PROMPT_LENS, [0] * B, range(B))
-        tokens = [model.forward_batch(torch.cat(prompts), b, cache).argmax(-1)]
+        b = slot_batch(cache, PROMPT_LENS, [0] * B, range(B), routes_out={})
+        prefill_logits = model.forward_batch(torch.cat(prompts), b, cache)
+        prefill_routes, tokens = b.routes_out, [prefill_logits.argmax(-1)]
         before = [_request_cache(cache, s, n) for s, n in enumerate(PROMPT_LENS)]
         logits, routes = [], []
         for t in range(FREE_STEPS):
@@ -100,7 +106,10 @@ def _reference(name: str) -> Reference:
                 after = [
                     _request_cache(cache, s, n + PINNED_STEPS) for s, n in enumerate(PROMPT_LENS)
                 ]
-    ref = Reference(model, before, after, torch.stack(tokens), torch.stack(logits), routes)
+    ref = Reference(
+        model, before, after, torch.stack(tokens), torch.stack(logits), routes,
+        torch.cat(prompts), prefill_logits, prefill_routes,
+    )  # fmt: skip
     _REFERENCES[name] = ref
     return ref
 
@@ -160,6 +169,16 @@ def _worker(rank: int, world: int, port: int, in_path: str, out_dir: str) -> Non
                     out["cache"] = [_request_cache(cache, s, local_len) for s in RANK_SLOTS]
                 else:
                     out["tokens"] = tokens
+            if dcp == 1:  # TP prefill (a rank with DCP runs decode only)
+                cache = _rank_cache(config, layout, len(PROMPT_LENS))
+                B = len(PROMPT_LENS)
+                b = slot_batch(cache, PROMPT_LENS, [0] * B, range(B),
+                               pinned_routes=data["prefill_routes"])  # fmt: skip
+                with torch.no_grad():
+                    out["prefill_logits"] = model.forward_batch(data["prompt_ids"], b, cache)
+                out["prefill_cache"] = [
+                    _request_cache(cache, s, n) for s, n in enumerate(PROMPT_LENS)
+                ]
             results[dcp] = out
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
@@ -201,6 +220,8 @@ def test_rank_decode_matches_one_device(tmp_path, model_name, tp_size, dcp_sizes
         "pieces": pieces,
         "tokens": ref.tokens,
         "routes": ref.routes,
+        "prompt_ids": ref.prompt_ids,
+        "prefill_routes": ref.prefill_routes,
     }
     torch.save(data, tmp_path / "inputs.pt")
     args = (tp_size, _free_port(), str(tmp_path / "inputs.pt"), str(tmp_path))
@@ -221,6 +242,18 @@ def test_rank_decode_matches_one_device(tmp_path, model_name, tp_size, dcp_sizes
         print(f"{name}: logits rel_rms {m['rel_rms']:.2e} max_abs {m['max_abs']:.2e}")
         if dcp in free_dcps:
             assert torch.equal(out["tokens"], ref.tokens[1:]), f"{name}: free greedy tokens differ"
+        if dcp == 1:  # TP prefill against one device: logits and every rank's cache
+            assert_close(f"{name} prefill logits", ref.prefill_logits, out["prefill_logits"],
+                         rel_rms=LOGIT_REL_RMS, max_abs=LOGIT_MAX_ABS)  # fmt: skip
+            for r in range(tp_size):
+                for b, full in enumerate(ref.before):
+                    want = reshard_request(full, config, ParallelLayout(tp_size=tp_size), r)
+                    got = results[r][1]["prefill_cache"][b]
+                    for kind, layers in want.items():
+                        for i, t in layers.items():
+                            assert_close(f"{name} rank {r} prefill {kind}[{i}]", t,
+                                         got[kind][i], rel_rms=CACHE_REL_RMS,
+                                         max_abs=CACHE_MAX_ABS)  # fmt: skip
         layout = ParallelLayout(tp_size=tp_size, dcp_size=dcp)
         cache_err = cache_rel = 0.0
         for r in range(tp_size):
