@@ -172,8 +172,8 @@ class _Context:
     def cache(self, layer_ids, *, num_requests, num_tokens, tp_size=1, dcp_size=1):
         layout = CacheLayout.build(self.config, layer_ids, page_size=PAGE_SIZE,
                                    dtype_bytes=self.dtype.itemsize, tp_size=tp_size)  # fmt: skip
-        pages = layout.pages_for(-(-num_tokens // dcp_size))
-        total = num_requests * (layout.block_bytes + pages * layout.page_bytes)
+        pages = layout.request_pages(num_tokens, dcp_size)
+        total = num_requests * layout.request_bytes(num_tokens, dcp_size)
         cache = PagedCache(layout, total, device=self.device, dtype=self.dtype)
         return cache, [list(range(i * pages, (i + 1) * pages)) for i in range(num_requests)]
 
@@ -188,46 +188,51 @@ class _Context:
         return float(t) / self.N
 
 
-class _TimedGroup:
-    """A ParallelGroup whose collectives are timed: CUDA events on the current stream (host
-    clock on CPU). `seconds()` syncs and returns the total since the last `reset()`."""
+class _Stopwatch:
+    """Total time spent in some calls: CUDA events on the current stream (what the GPU spent
+    between the call's first and last kernel), or the host clock on CPU."""
 
-    def __init__(self, group: ParallelGroup, cuda: bool):
-        self.inner, self.group, self.rank, self.size = group, group.group, group.rank, group.size
+    def __init__(self, cuda: bool):
         self.cuda = cuda
         self.reset()
 
     def reset(self) -> None:
         self.events, self.cpu_s = [], 0.0
 
-    def _timed(self, fn, *args):
-        if self.size == 1:
-            return fn(*args)
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+    def time(self, fn, *args):
+        if not self.cuda:
+            t0 = time.perf_counter()
             out = fn(*args)
-            end.record()
-            self.events.append((start, end))
+            self.cpu_s += time.perf_counter() - t0
             return out
-        t0 = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         out = fn(*args)
-        self.cpu_s += time.perf_counter() - t0
+        end.record()
+        self.events.append((start, end))
         return out
-
-    def all_reduce(self, t):
-        return self._timed(self.inner.all_reduce, t)
-
-    def all_gather(self, t, dim):
-        return self._timed(self.inner.all_gather, t, dim)
-
-    def all_to_all(self, tensors):
-        return self._timed(self.inner.all_to_all, tensors)
 
     def seconds(self) -> float:
         if self.events:
             torch.cuda.synchronize()
         return self.cpu_s + sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+
+
+class _TimedGroup(_Stopwatch):
+    """A ParallelGroup whose collectives are timed."""
+
+    def __init__(self, group: ParallelGroup, cuda: bool):
+        super().__init__(cuda)
+        self.inner, self.group, self.rank, self.size = group, group.group, group.rank, group.size
+
+    def all_reduce(self, t):
+        return self.time(self.inner.all_reduce, t)
+
+    def all_gather(self, t, dim):
+        return self.time(self.inner.all_gather, t, dim)
+
+    def all_to_all(self, tensors):
+        return self.time(self.inner.all_to_all, tensors)
 
 
 def _chunks(bench: LayoutBench, chunk: int):
@@ -244,7 +249,7 @@ def _pp_prefill(ctx: _Context, chunk: int) -> dict:
     for rep in range(b.repeats + 1):  # the first is a warm-up
         dist.barrier()
         ctx.sync()
-        t0, waits, pending = time.perf_counter(), [], None
+        t0, waits, pending = time.perf_counter(), _Stopwatch(ctx.device.type == "cuda"), None
         for start, n in _chunks(b, chunk):
             batch = ForwardBatch(seq_lens=[n], cached_lens=[start], slot_ids=[0],
                                  page_tables=[pages])  # fmt: skip
@@ -253,7 +258,7 @@ def _pp_prefill(ctx: _Context, chunk: int) -> dict:
                     stream = ctx.stage.embed(ctx.prompt[start : start + n].to(ctx.device))
                 else:
                     buf = torch.empty(rows, n, D, dtype=ctx.dtype, device=ctx.device)
-                    waits.append(_timed_call(ctx, lambda buf=buf: dist.recv(buf, src=r - 1)))
+                    waits.time(dist.recv, buf, r - 1)
                     stream = unpack_stream(buf)
                 stream = ctx.stage.run_layers(stream, batch, cache)
                 if r == N - 1:
@@ -268,7 +273,7 @@ def _pp_prefill(ctx: _Context, chunk: int) -> dict:
         ctx.sync()
         wall = ctx.max_over_ranks(time.perf_counter() - t0)
         if rep and (best is None or wall < best):
-            best, recv_s = wall, ctx.mean_over_ranks(_seconds(ctx, waits))
+            best, recv_s = wall, ctx.mean_over_ranks(waits.seconds())
     transfer_s = _transfer_time(ctx, chunk)
     del cache
     per_1k = 1000 / b.prompt_len
@@ -302,25 +307,6 @@ def _transfer_time(ctx: _Context, chunk: int) -> float:
         ctx.sync()
         best = min(best, ctx.max_over_ranks(time.perf_counter() - t0))
     return best
-
-
-def _timed_call(ctx: _Context, fn):
-    if ctx.device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        return (start, end)
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def _seconds(ctx: _Context, waits: list) -> float:
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize()
-        return sum(a.elapsed_time(b) for a, b in waits) / 1e3
-    return sum(waits)
 
 
 def _rank_model(ctx: _Context, layout: ParallelLayout):

@@ -269,8 +269,8 @@ def make_plan(
         config, range(num_layers), page_size=page_size, dtype_bytes=2, tp_size=tp_size
     )
     num_kda = len(layout.kda_layers)
-    pages = layout.pages_for(-(-context_len // dcp_size))
-    request = layout.block_bytes + pages * layout.page_bytes
+    pages = layout.request_pages(context_len, dcp_size)
+    request = layout.request_bytes(context_len, dcp_size)
     gpu_bytes = int(GPUS[gpu])
     usable = int(gpu_bytes * memory_fraction)
     problems = []

@@ -171,10 +171,9 @@ def slot_cache(config, layer_ids, *, num_slots: int, max_seq_len: int, device, d
     layout = CacheLayout.build(
         config, layer_ids, page_size=page_size, dtype_bytes=nbytes, tp_size=tp_size
     )
-    pages = layout.pages_for(-(-max_seq_len // dcp_size))
-    total = num_slots * (layout.block_bytes + pages * layout.page_bytes)
+    total = num_slots * layout.request_bytes(max_seq_len, dcp_size)
     cache = PagedCache(layout, total, device=device, dtype=dtype)
-    cache.pages_per_slot = pages
+    cache.pages_per_slot = layout.request_pages(max_seq_len, dcp_size)
     return cache
 
 

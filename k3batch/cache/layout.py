@@ -88,6 +88,14 @@ class CacheLayout:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def request_pages(self, num_tokens: int, dcp_size: int = 1) -> int:
+        """Pages of one rank for a sequence of num_tokens tokens (its stripe under DCP)."""
+        return self.pages_for(-(-num_tokens // dcp_size))
+
+    def request_bytes(self, num_tokens: int, dcp_size: int = 1) -> int:
+        """One request of num_tokens tokens on one rank: its KDA block and its pages."""
+        return self.block_bytes + self.request_pages(num_tokens, dcp_size) * self.page_bytes
+
 
 def kda_state_bytes(config, tp_size: int = 1) -> int:
     """fp32 recurrent KDA state of one request on one rank, all KDA layers (heads split tp ways)."""

@@ -86,8 +86,7 @@ def make_workload(
 def static_split(pool_bytes: int, layout: CacheLayout, *, context_len: int, dcp_size: int = 1):
     """KDA blocks that a two-region pool reserves when it is sized for requests of
     context_len tokens: pool / (one block + the pages of context_len tokens)."""
-    pages = -(-context_len // (layout.page_size * dcp_size))
-    return pool_bytes // (layout.block_bytes + pages * layout.page_bytes)
+    return pool_bytes // layout.request_bytes(context_len, dcp_size)
 
 
 @dataclass(slots=True, eq=False)

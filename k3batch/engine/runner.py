@@ -32,9 +32,7 @@ def arena_bytes(
 
         free, total = torch.cuda.mem_get_info(device)
         return pool_bytes(total, config.memory_fraction, total - free, DEFAULT_RESERVE_BYTES)
-    local_len = -(-config.max_seq_len // dcp_size)
-    per_request = layout.block_bytes + layout.pages_for(local_len) * layout.page_bytes
-    return (config.max_num_seqs + extra) * per_request
+    return (config.max_num_seqs + extra) * layout.request_bytes(config.max_seq_len, dcp_size)
 
 
 class LocalRunner:
