@@ -167,9 +167,8 @@ def slot_cache(config, layer_ids, *, num_slots: int, max_seq_len: int, device, d
     from k3batch.cache.layout import CacheLayout
     from k3batch.cache.paged import PagedCache
 
-    nbytes = torch.empty((), dtype=dtype).element_size()
     layout = CacheLayout.build(
-        config, layer_ids, page_size=page_size, dtype_bytes=nbytes, tp_size=tp_size
+        config, layer_ids, page_size=page_size, dtype_bytes=dtype.itemsize, tp_size=tp_size
     )
     total = num_slots * layout.request_bytes(max_seq_len, dcp_size)
     cache = PagedCache(layout, total, device=device, dtype=dtype)

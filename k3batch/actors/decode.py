@@ -65,7 +65,7 @@ class DecodeRankActor:
             self.config,
             self.layout,
             page_size=cfg.page_size,
-            dtype_bytes=torch.empty((), dtype=self.dtype).element_size(),
+            dtype_bytes=self.dtype.itemsize,
         )
         # One extra request's room: the scratch block and page of padding rows (see Engine).
         total = arena_bytes(layout, cfg, self.device, dcp_size=self.layout.dcp_size, extra=1)

@@ -45,7 +45,7 @@ class PrefillStageActor:
             self.config,
             range(*layer_range),
             page_size=engine_config.page_size,
-            dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+            dtype_bytes=dtype.itemsize,
         )
         total = arena_bytes(layout, engine_config, self.device)
         self.cache = PagedCache(layout, total, device=self.device, dtype=dtype)

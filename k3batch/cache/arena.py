@@ -79,20 +79,14 @@ class Arena:
 
     # ---- allocation ------------------------------------------------------------------------
     def alloc_block(self, handle: int) -> int:
-        assert handle not in self.block_idx, f"block handle {handle} already placed"
         if not self.can_fit(num_blocks=1):
             raise MemoryError("no room for a KDA block")
-        self.block_idx[handle] = len(self.blocks)
-        self.blocks.append(handle)
-        return self.block_idx[handle]
+        return _place(handle, self.blocks, self.block_idx)
 
     def alloc_page(self, handle: int) -> int:
-        assert handle not in self.page_idx, f"page handle {handle} already placed"
         if not self.can_fit(num_pages=1):
             raise MemoryError("no room for an MLA page")
-        self.page_idx[handle] = len(self.pages)
-        self.pages.append(handle)
-        return self.page_idx[handle]
+        return _place(handle, self.pages, self.page_idx)
 
     def free_block(self, handle: int) -> list[Move]:
         return _free(handle, self.blocks, self.block_idx, "block")
@@ -106,6 +100,14 @@ class Arena:
             assert len(order) == len(index) == len(set(order))
             assert all(index[h] == i for i, h in enumerate(order))
         assert self.can_fit(0, 0), "arena over capacity"
+
+
+def _place(handle: int, order: list[int], index: dict[int, int]) -> int:
+    """Put `handle` at the end of its packed side; returns its index."""
+    assert handle not in index, f"handle {handle} already placed"
+    index[handle] = len(order)
+    order.append(handle)
+    return index[handle]
 
 
 def _free(handle: int, order: list[int], index: dict[int, int], kind: str) -> list[Move]:

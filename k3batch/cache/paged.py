@@ -22,7 +22,7 @@ from k3batch.cache.layout import ALIGN, CacheLayout
 
 class PagedCache:
     def __init__(self, layout: CacheLayout, total_bytes: int, *, device, dtype):
-        if torch.empty((), dtype=dtype).element_size() != layout.dtype_bytes:
+        if dtype.itemsize != layout.dtype_bytes:
             raise ValueError(f"layout.dtype_bytes = {layout.dtype_bytes} does not match {dtype}")
         self.layout, self.page_size = layout, layout.page_size
         self.total_bytes = total_bytes // ALIGN * ALIGN
