@@ -42,45 +42,36 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x_TD, batch, cache=None):
         T = x_TD.shape[0]
         H, K = self.num_heads, self.head_dim
-        cu = batch.cu_seqlens
-        decode = batch.is_decode
-        conv_in, state_in = self._read_cache(x_TD, batch, cache)
+        projs = (self.q_proj, self.k_proj, self.v_proj)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        outs, conv_out = [], []
-        for j, (proj, conv) in enumerate(zip((self.q_proj, self.k_proj, self.v_proj), convs)):
-            y, st = ops.short_conv(
-                proj(x_TD),
-                conv.weight[:, 0],
-                conv_in[:, j],
-                cu,
-                decode=decode,
-                backend=self.backend,
-            )
-            outs.append(y.view(T, H, K))
-            conv_out.append(st)
-        q, k, v = outs
         f = self.f_b_proj(self.f_a_proj(x_TD)).view(T, H, K)
         b = self.b_proj(x_TD).float()
-        o, state_out = ops.kda_core(
-            q,
-            k,
-            v,
-            f,
-            b,
-            self.A_log,
-            self.dt_bias,
-            lower_bound=self.lower_bound,
-            scale=K**-0.5,
-            initial_state=state_in,
-            cu_seqlens=cu,
-            decode=decode,
-            backend=self.backend,
-        )
-        if cache is not None:
+        gate = dict(lower_bound=self.lower_bound, scale=K**-0.5, backend=self.backend)
+        if batch.is_decode and cache is not None:
+            # In place on the cache: each sequence's conv and recurrent state are read from and
+            # written to its KDA block, with no gather and no new state tensor.
             slots = torch.tensor(batch.slot_ids, device=x_TD.device)
-            cache.kda_state[self.layer_idx].index_copy_(0, slots, state_out)
-            conv = torch.stack(conv_out, dim=1).to(cache.kda_conv[self.layer_idx].dtype)
-            cache.kda_conv[self.layer_idx].index_copy_(0, slots, conv)
+            pool = cache.kda_conv[self.layer_idx]
+            q, k, v = (
+                ops.short_conv_decode_(
+                    proj(x_TD), conv.weight[:, 0], pool[:, j], slots, backend=self.backend
+                ).view(T, H, K)
+                for j, (proj, conv) in enumerate(zip(projs, convs))
+            )
+            o = ops.kda_decode_(
+                q,
+                k,
+                v,
+                f,
+                b,
+                self.A_log,
+                self.dt_bias,
+                state_pool=cache.kda_state[self.layer_idx],
+                slots=slots,
+                **gate,
+            )
+        else:
+            o = self._prefill(x_TD, f, b, batch, cache, gate)
         if hasattr(self, "g_proj"):
             z = self.g_proj(x_TD)
         else:
@@ -93,6 +84,42 @@ class KimiDeltaAttention(nn.Module):
             backend=self.backend,
         )
         return self.o_proj(y.reshape(T, H * K))
+
+    def _prefill(self, x_TD, f, b, batch, cache, gate):
+        """Chunks of whole sequences: states gathered from the blocks of sequences with a
+        cached prefix (zeros otherwise), final states written back."""
+        T = x_TD.shape[0]
+        H, K = self.num_heads, self.head_dim
+        cu = batch.cu_seqlens
+        conv_in, state_in = self._read_cache(x_TD, batch, cache)
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        outs, conv_out = [], []
+        for j, (proj, conv) in enumerate(zip(projs, convs)):
+            y, st = ops.short_conv(
+                proj(x_TD), conv.weight[:, 0], conv_in[:, j], cu, backend=self.backend
+            )
+            outs.append(y.view(T, H, K))
+            conv_out.append(st)
+        q, k, v = outs
+        o, state_out = ops.kda_core(
+            q,
+            k,
+            v,
+            f,
+            b,
+            self.A_log,
+            self.dt_bias,
+            initial_state=state_in,
+            cu_seqlens=cu,
+            **gate,
+        )
+        if cache is not None:
+            slots = torch.tensor(batch.slot_ids, device=x_TD.device)
+            cache.kda_state[self.layer_idx].index_copy_(0, slots, state_out)
+            conv = torch.stack(conv_out, dim=1).to(cache.kda_conv[self.layer_idx].dtype)
+            cache.kda_conv[self.layer_idx].index_copy_(0, slots, conv)
+        return o
 
     def _read_cache(self, x_TD, batch, cache):
         """(conv states [N, 3, C, W-1], recurrent states [N, H, K, V]) to start from."""

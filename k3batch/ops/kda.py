@@ -28,7 +28,6 @@ def kda_core(
     scale,
     initial_state,
     cu_seqlens,
-    decode: bool,
     backend: str,
 ):
     """q, k: [T, H, K] after the conv; v: [T, H, V]; f: [T, H, K] raw decay logits; b: [T, H]
@@ -38,15 +37,14 @@ def kda_core(
         lower_bound=lower_bound, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
     )
     if backend == "fla":
-        fn = _fla().kda_decode if decode else _fla().kda_prefill
-        return fn(q, k, v, f, b, A_log, dt_bias, **kw)
-    return reference.kda_core(q, k, v, f, b, A_log, dt_bias, chunked=not decode, **kw)
+        return _fla().kda_prefill(q, k, v, f, b, A_log, dt_bias, **kw)
+    return reference.kda_core(q, k, v, f, b, A_log, dt_bias, chunked=True, **kw)
 
 
-def short_conv(x, weight_CW, conv_state, cu_seqlens, *, decode: bool, backend: str):
+def short_conv(x, weight_CW, conv_state, cu_seqlens, *, backend: str):
     """x: [T, C]; weight [C, W]; conv_state [N, C, W-1] -> (y [T, C], new state [N, C, W-1])."""
     if backend == "fla":
-        return _fla().short_conv(x, weight_CW, conv_state, cu_seqlens, decode=decode)
+        return _fla().short_conv(x, weight_CW, conv_state, cu_seqlens)
     return reference.short_conv(x, weight_CW, conv_state, cu_seqlens)
 
 
@@ -55,3 +53,17 @@ def gated_rms_norm(o, z, weight, eps: float, *, backend: str):
     if backend == "fla":
         return _fla().gated_rms_norm(o, z, weight, eps)
     return reference.gated_rms_norm(o, z, weight, eps)
+
+
+def kda_decode_(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, state_pool, slots, backend):
+    """One step per sequence in place on the cache: state_pool [NB, H, K, V] fp32, slots [N]
+    device indices. Returns o [N, H, V]."""
+    kw = dict(lower_bound=lower_bound, scale=scale, state_pool=state_pool, slots=slots)
+    impl = _fla() if backend == "fla" else reference
+    return impl.kda_decode_(q, k, v, f, b, A_log, dt_bias, **kw)
+
+
+def short_conv_decode_(x, weight_CW, pool_BCW, slots, *, backend: str):
+    """x: [N, C], one token per sequence; pool_BCW: [NB, C, W-1] updated in place at slots."""
+    impl = _fla() if backend == "fla" else reference
+    return impl.short_conv_decode_(x, weight_CW, pool_BCW, slots)

@@ -2,16 +2,17 @@
 as `k3kernels.kda.reference`, inference only (autograd off inside).
 
 - `kda_prefill`: `chunk_kda` on the packed batch (B = 1, `cu_seqlens`), safe_gate when the gate
-  is bounded (K3); `kda_decode`: `fused_recurrent_kda` with one token per sequence as [N, 1, ...].
+  is bounded (K3).
   Gate, beta sigmoid and q/k L2 norm run in the kernel (spec 10.3); `lower_bound` alone picks
   the gate formula: -5.0 gives lower_bound * sigmoid(exp(A) (f + dt_bias)), None the softplus
   gate -exp(A) softplus(f + dt_bias) of Kimi Linear (fla's `kda_gate_chunk_cumsum` and the
   recurrent kernel both switch on it).
-- `short_conv`: fla's `causal_conv1d` (varlen, prefill) and `causal_conv1d_update` (decode).
-  fla's cache is [N, C, W] with column W-1 the newest input and column 0 never read; ours is
+- `short_conv`: fla's `causal_conv1d` (varlen, prefill). fla's cache is [N, C, W] with column W-1 the newest input and column 0 never read; ours is
   [N, C, W-1], so it is padded with one zero column on the way in and trimmed on the way out
   (spec 14.5).
 - `gated_rms_norm`: fla's fused `rms_norm_gated` with activation 'sigmoid'.
+- `kda_decode_` / `short_conv_decode_`: the decode step in place on the cache, through block
+  indices (fla's recurrent kernel with `ssm_state_indices`; our `conv_decode` kernel).
 
 State layout: K-first [N, H, K, V] fp32 (fla's default, `state_v_first=False`).
 Shape legend: T packed tokens, N sequences, H heads, K key dim, V value dim, C conv channels,
@@ -68,49 +69,55 @@ def kda_prefill(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, initial_st
 
 
 @torch.no_grad()
-def kda_decode(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, initial_state, cu_seqlens):
-    """One KDA step for each of N sequences (`fused_recurrent_kda`); the same args and returns
-    as `kda_prefill`, with T == N and every sequence exactly one token long."""
-    from fla.ops.kda import fused_recurrent_kda
+def kda_decode_(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, state_pool, slots):
+    """One recurrent step per sequence, in place on the cache (`fused_recurrent_kda_fwd` with
+    `ssm_state_indices`: the public wrapper drops them and copies the state). state_pool:
+    [NB, H, K, V] fp32 view into the arena (inner dims contiguous); slots: [N] int device
+    tensor of distinct blocks. q, k: [N, H, K]; v: [N, H, V]; f: [N, H, K]; b: [N, H].
+    Returns o [N, H, V] in v's dtype; the state of slot n is updated in place."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-    N = len(cu_seqlens) - 1
-    if list(cu_seqlens) != list(range(N + 1)):
-        raise ValueError(f"kda_decode needs one token per sequence; got cu_seqlens {cu_seqlens}")
-    T, H, K = q.shape
+    N, H, K = q.shape
     V = v.shape[-1]
-    o, state = fused_recurrent_kda(
-        q.reshape(N, 1, H, K),
-        k.reshape(N, 1, H, K),
-        v.reshape(N, 1, H, V),
-        f.reshape(N, 1, H, K),
-        b.reshape(N, 1, H),
+    assert state_pool.shape[1:] == (H, K, V) and state_pool.dtype == torch.float32
+    assert state_pool[0].is_contiguous(), "each block's state must be contiguous"
+    o, _ = fused_recurrent_kda_fwd(
+        q=q.contiguous().view(N, 1, H, K),
+        k=k.contiguous().view(N, 1, H, K),
+        v=v.contiguous().view(N, 1, H, V),
+        g=f.contiguous().view(N, 1, H, K),
+        beta=b.contiguous().view(N, 1, H),
         scale=scale,
-        initial_state=initial_state.float().contiguous(),
+        initial_state=state_pool,
         output_final_state=True,
+        inplace_final_state=True,
+        ssm_state_indices=slots,
         **_gate_args(A_log, dt_bias, lower_bound),
     )
-    return o.reshape(T, H, V), state
+    return o.view(N, H, V)
+
+
+def short_conv_decode_(x_NC, weight_CW, pool_BCW, slots):
+    """One conv step per sequence in place on the cache: `k3kernels.kda.conv_decode`."""
+    from k3kernels.kda.conv_decode import short_conv_decode_
+
+    return short_conv_decode_(x_NC, weight_CW, pool_BCW, slots)
 
 
 @torch.no_grad()
-def short_conv(x, weight_CW, conv_state, cu_seqlens, *, decode: bool):
-    """Causal depthwise conv + SiLU per sequence, continuing from a cached state.
+def short_conv(x, weight_CW, conv_state, cu_seqlens):
+    """Causal depthwise conv + SiLU per sequence (prefill), continuing from a cached state.
 
     x: [T, C]; weight_CW: [C, W] (column W-1 multiplies the current token); conv_state
-    [N, C, W-1], the previous W-1 inputs oldest first; decode: every sequence has one token.
+    [N, C, W-1], the previous W-1 inputs oldest first.
     Returns (y [T, C] in x's dtype, new conv_state [N, C, W-1] in x's dtype).
     """
-    from fla.modules.causal_conv1d import causal_conv1d, causal_conv1d_update
+    from fla.modules.causal_conv1d import causal_conv1d
 
     N, C = conv_state.shape[:2]
     weight = weight_CW.float().contiguous()
     # fla's [N, C, W] cache: column 0 is never read by the conv, so a zero column stands in.
     cache = torch.cat([conv_state.new_zeros(N, C, 1), conv_state], dim=-1).to(x.dtype).contiguous()
-    if decode:
-        if x.shape[0] != N or list(cu_seqlens) != list(range(N + 1)):
-            raise ValueError(f"decode short_conv needs one token per sequence; got {cu_seqlens}")
-        y, cache = causal_conv1d_update(x.contiguous(), cache, weight=weight, activation="silu")
-        return y, cache[..., 1:]  # updated in place: now the last W inputs, current included
     cu, cu_cpu = _cu_seqlens(cu_seqlens, x.device)
     y, final = causal_conv1d(
         x.contiguous()[None],

@@ -131,3 +131,39 @@ def gated_rms_norm(o, z, weight, eps: float):
     x = o.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return (x * torch.sigmoid(z.float())).to(o.dtype)
+
+
+# ---- decode steps in place on the cache (the contract of the graph-capturable kernels) -------
+
+
+def kda_decode_(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, state_pool, slots):
+    """One recurrent step for N sequences (one token each), reading and writing each one's
+    state in place at `state_pool[slots[n]]`. state_pool: [NB, H, K, V] fp32 (a view into the
+    arena); slots: [N] distinct indices. q, k, v, f, b as in `kda_core` with T == N.
+    Returns o [N, H, V] fp32."""
+    N = q.shape[0]
+    o, state = kda_core(
+        q,
+        k,
+        v,
+        f,
+        b,
+        A_log,
+        dt_bias,
+        lower_bound=lower_bound,
+        scale=scale,
+        initial_state=state_pool[slots],
+        cu_seqlens=list(range(N + 1)),
+        chunked=False,
+    )
+    state_pool[slots] = state
+    return o
+
+
+def short_conv_decode_(x_NC, weight_CW, pool_BCW, slots):
+    """One conv step for N sequences (one token each), in place on `pool_BCW[slots[n]]`
+    ([NB, C, W-1], oldest input first). Returns y [N, C] in x's dtype."""
+    N = x_NC.shape[0]
+    y, state = short_conv(x_NC, weight_CW, pool_BCW[slots], list(range(N + 1)))
+    pool_BCW[slots] = state.to(pool_BCW.dtype)
+    return y

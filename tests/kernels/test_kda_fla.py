@@ -116,38 +116,6 @@ def test_kda_prefill_matches_reference(numbers, shape, gate, dt, state):
     )
 
 
-DECODE_N = 7
-
-
-@pytest.mark.parametrize(
-    "shape,gate,dt",
-    [
-        pytest.param(
-            shape,
-            gate,
-            dt,
-            id=f"{shape}-H{SHAPES[shape][0]}-K{SHAPES[shape][1]}-B{DECODE_N}-{gate}-{dt}",
-        )
-        for shape in SHAPES
-        for gate in GATES
-        for dt in DTYPES
-    ],
-)
-def test_kda_decode_matches_reference(numbers, shape, gate, dt):
-    H, K, _ = SHAPES[shape]
-    N = DECODE_N
-    lens = [1] * N
-    dtype, lower_bound, cu = DTYPES[dt], GATES[gate], _cu(lens)
-    x = _kda_inputs(lens, H, K, zero_state=False, seed=N + H)
-    kern, ref = _split(x, dtype)
-    args, kw = _core_kwargs(kern, lower_bound, cu)
-    o, S = _fla().kda_decode(*args, **kw)
-    rargs, rkw = _core_kwargs(ref, lower_bound, cu)
-    o_ref, S_ref = R.kda_core(*rargs, **rkw, chunked=False)
-    assert o.shape == o_ref.shape and S.dtype == torch.float32
-    tag = f"decode/{shape}-B{N}/{gate}/{dt}"
-    numbers.check(f"{tag}/o", o_ref, o, rel_rms=TOLERANCES[("o_decode", dtype)][0])
-    numbers.check(f"{tag}/state", S_ref, S, rel_rms=TOLERANCES[("state_decode", dtype)][0])
 
 
 def _conv_inputs(lens, C, W, dtype, seed):
@@ -174,7 +142,7 @@ def test_short_conv_prefill_matches_reference(numbers, shape, dt):
     x, w, state = _conv_inputs(lens, H * K, 4, dtype, seed=H)
     # The reference runs on the CPU: cuDNN's fp32 conv may use TF32.
     y_ref, s_ref = R.short_conv(x, w, state, cu)
-    y, s = _fla().short_conv(x.cuda(), w.cuda(), state.cuda(), cu, decode=False)
+    y, s = _fla().short_conv(x.cuda(), w.cuda(), state.cuda(), cu)
     assert y.dtype == dtype and s.dtype == dtype and s.shape == s_ref.shape
     numbers.check(
         f"conv_prefill/{shape}-C{H * K}/{dt}/y", y_ref, y, rel_rms=TOLERANCES[("conv_y", dtype)][0]
@@ -184,8 +152,8 @@ def test_short_conv_prefill_matches_reference(numbers, shape, dt):
 
 @pytest.mark.parametrize("shape,dt", SMALL_FP32)
 def test_short_conv_prefill_then_decode_equals_whole(numbers, shape, dt):
-    """Prefill all but the last 3 tokens of each sequence, then 3 decode steps: the outputs and
-    the final state equal one conv over the whole sequences (fla and reference)."""
+    """Prefill all but the last 3 tokens of each sequence, then 3 in-place decode steps on a
+    pool of blocks: the outputs and the final state equal one conv over the whole sequences."""
     H, K, lens = SHAPES[shape]
     lens = [max(n, 4) for n in lens]
     dtype, C, num_decode = DTYPES[dt], H * K, 3
@@ -196,12 +164,16 @@ def test_short_conv_prefill_then_decode_equals_whole(numbers, shape, dt):
     xd, wd = x.cuda(), w.cuda()
     head = [n - num_decode for n in lens]
     x_head = torch.cat([xd[cu[i] : cu[i] + head[i]] for i in range(len(lens))])
-    y_head, s = fla.short_conv(x_head, wd, state.cuda(), _cu(head), decode=False)
+    y_head, s = fla.short_conv(x_head, wd, state.cuda(), _cu(head))
     ys = [y_head.split(head)]
+    pool = torch.full((len(lens) + 2, *s.shape[1:]), 1e30, dtype=dtype, device="cuda")
+    slots = torch.arange(len(lens), device="cuda") + 2  # blocks 0 and 1 stay poisoned
+    pool[slots] = s
     for j in range(num_decode):
         x_step = torch.stack([xd[cu[i] + head[i] + j] for i in range(len(lens))])
-        y_step, s = fla.short_conv(x_step, wd, s, list(range(len(lens) + 1)), decode=True)
-        ys.append(y_step.split(1))
+        ys.append(fla.short_conv_decode_(x_step, wd, pool, slots).split(1))
+    s = pool[slots]
+    assert (pool[:2] == 1e30).all()
     y = torch.cat([torch.cat([part[i] for part in ys]) for i in range(len(lens))])
     numbers.check(
         f"conv_prefill+decode/{shape}-C{C}/{dt}/y",
