@@ -25,7 +25,7 @@ from k3batch.cache.manager import CacheManager
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import GenerationResult, Phase, Request, SamplingParams
 from k3batch.engine.runner import LocalRunner
-from k3batch.engine.sampler import make_generator, sample
+from k3batch.engine.sampler import draw_seed, sample_batch
 from k3batch.model.forward_batch import ForwardBatch
 
 SCRATCH = "\0scratch"  # the decode group's padding rows (see `_submit_decode`)
@@ -58,7 +58,7 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids or (mcfg.eos_token_id,))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._generators: dict[str, torch.Generator] = {}
+        self._seeds: dict[str, int] = {}  # request -> its seed (drawn when none is given)
         self._errors: list[GenerationResult] = []
 
     def _account(self, runner, prefix_cache: bool, extra_blocks: int) -> CacheManager:
@@ -85,7 +85,7 @@ class Engine:
             self._fail(req, reason)
             return
         req.cuts = self._cuts(len(req.prompt_token_ids))
-        self._generators[request_id] = make_generator(sampling)
+        self._seeds[request_id] = draw_seed() if sampling.seed is None else sampling.seed
         self.waiting.append(req)
 
     def _check(self, req: Request) -> str | None:
@@ -197,15 +197,14 @@ class Engine:
 
     def _retract(self, req: Request, pool: CacheManager) -> None:
         self._drop(req)
-        req.restart()
-        self._generators[req.request_id] = make_generator(req.sampling)
+        req.restart()  # same seed, so the same tokens again
         self.waiting.appendleft(req)
         pool.stats.retracted += 1
 
     def _abort(self, req: Request, reason: str) -> None:
         if req in self.running:
             self._drop(req)
-        self._generators.pop(req.request_id)
+        self._seeds.pop(req.request_id)
         self._fail(req, reason)
 
     def _handoff(self) -> None:
@@ -279,25 +278,27 @@ class Engine:
 
     def _finish_prefill(self, plan, batch, want_all, logits) -> None:
         cu = batch.cu_seqlens
+        done, last = [], []
         for j, (r, n) in enumerate(plan):
             if want_all:
                 rows = logits[cu[j] : cu[j + 1]]
                 if r.sampling.prompt_logprobs:
                     self._add_prompt_logprobs(r, rows, batch.cached_lens[j], n)
-                last = rows[-1]
-            else:
-                last = logits[j]
             if batch.cached_lens[j] + n == len(r.prompt_token_ids):
                 r.phase = Phase.DECODE if self.decode_runner is None else Phase.HANDOFF
-                self._append_token(r, last)
+                done.append(r)
+                last.append(cu[j + 1] - 1 if want_all else j)
+        if done:
+            self._sample(done, logits[torch.tensor(last, device=logits.device)])
 
     def _add_prompt_logprobs(self, req: Request, rows_TV, start: int, n: int) -> None:
         """rows_TV: logits at prompt positions start .. start+n-1."""
         if start == 0:
             req.prompt_logprobs.append(None)
         targets = req.prompt_token_ids[start + 1 : start + n + 1]
-        lp = torch.log_softmax(rows_TV[: len(targets)], dim=-1)
-        req.prompt_logprobs.extend(lp.gather(-1, torch.tensor(targets)[:, None])[:, 0].tolist())
+        lp = torch.log_softmax(rows_TV[: len(targets)].float(), dim=-1)
+        tgt = torch.tensor(targets, device=lp.device)
+        req.prompt_logprobs.extend(lp.gather(-1, tgt[:, None])[:, 0].tolist())
 
     # ---- decode ---------------------------------------------------------------------------
     def _submit_decode(self, reqs: list[Request], runner, pool: CacheManager):
@@ -322,28 +323,36 @@ class Engine:
 
     def _finish_decode(self, reqs: list[Request], runner, handle) -> None:
         logits = runner.wait(handle)
-        for r, row in zip(reqs, logits):
+        for r in reqs:
             r.num_computed += 1
-            self._append_token(r, row)
+        self._sample(reqs, logits[: len(reqs)])
 
-    def _append_token(self, req: Request, logits_V) -> None:
-        p = req.sampling
-        tok = sample(logits_V, p, self._generators[req.request_id])
-        req.output_token_ids.append(tok)
-        if p.logprobs:
-            req.output_logprobs.append(float(torch.log_softmax(logits_V, -1)[tok]))
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-        if tok in stops:
-            req.finish_reason = "stop"
-        elif len(req.output_token_ids) >= p.max_new_tokens or (
-            len(req.all_token_ids) >= self.config.max_seq_len
-        ):
-            req.finish_reason = "length"
-        if req.finish_reason:
-            req.phase = Phase.FINISHED
+    def _sample(self, reqs: list[Request], logits_BV) -> None:
+        """One token for each request from its row of logits (on the logits' device)."""
+        tokens, logprobs = sample_batch(
+            logits_BV,
+            [r.sampling for r in reqs],
+            [self._seeds[r.request_id] for r in reqs],
+            [len(r.output_token_ids) for r in reqs],
+            want_logprobs=any(r.sampling.logprobs for r in reqs),
+        )
+        for i, (req, tok) in enumerate(zip(reqs, tokens)):
+            p = req.sampling
+            req.output_token_ids.append(tok)
+            if p.logprobs:
+                req.output_logprobs.append(logprobs[i])
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            if tok in stops:
+                req.finish_reason = "stop"
+            elif len(req.output_token_ids) >= p.max_new_tokens or (
+                len(req.all_token_ids) >= self.config.max_seq_len
+            ):
+                req.finish_reason = "length"
+            if req.finish_reason:
+                req.phase = Phase.FINISHED
 
     def _result(self, req: Request) -> GenerationResult:
-        self._generators.pop(req.request_id)
+        self._seeds.pop(req.request_id)
         p = req.sampling
         return GenerationResult(
             req.request_id,

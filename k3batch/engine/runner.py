@@ -4,8 +4,8 @@ Protocol: `cache_specs()` lists the byte arenas it holds (one per device: `cache
 `dcp_size` says how its MLA pages stripe tokens; `apply(moves)` copies blocks and pages in
 every arena (queued by the engine's `CacheManager`, run before any later call);
 `submit(ids, batch, all_logits)` starts a forward over packed token ids and returns a handle;
-`wait(handle)` returns its logits as fp32 on the CPU ([num_seqs, V], or [T, V] with
-all_logits). Calls run in submission order. `depth` is how many forwards may usefully be in
+`wait(handle)` returns its logits ([num_seqs, V], or [T, V] with all_logits) where they
+were made (the local runner) or on the CPU (actors); the engine samples them where they are. Calls run in submission order. `depth` is how many forwards may usefully be in
 flight at once (1 on one device; the number of stages for a pipeline).
 """
 
@@ -64,8 +64,7 @@ class LocalRunner:
     @torch.inference_mode()
     def submit(self, ids: list[int], batch: ForwardBatch, all_logits: bool):
         x = torch.tensor(ids, dtype=torch.long, device=self.device)
-        logits = self.model.forward_batch(x, batch, self.cache, all_logits=all_logits)
-        return logits.float().cpu()
+        return self.model.forward_batch(x, batch, self.cache, all_logits=all_logits)
 
     def wait(self, handle):
         return handle
