@@ -1,0 +1,50 @@
+"""The decode roofline's byte count on the full K3 shape (meta device) against the spec's
+figures (sections 8 and 9), and the route counter on k3-debug."""
+
+import torch
+
+from k3batch.model import K3Model, get_flavor
+from k3batch.model.forward_batch import ForwardBatch
+from k3batch.roofline import RouteCounter, decode_bytes
+
+
+def _k3():
+    with torch.device("meta"):
+        return K3Model(get_flavor("k3"), dtype=torch.bfloat16)
+
+
+def test_decode_bytes_match_the_spec_on_k3():
+    model = _k3()
+    cfg = model.config
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    one = decode_bytes(model, context_lens=[1000], experts_selected={})
+    # KDA: 54,263,808 B of state and 1,907,712 B of conv per request per TP8 rank (spec 8),
+    # read and written.
+    assert one.kda == 2 * 8 * (54_263_808 + 1_907_712)
+    # MLA: 27,648 B per token (spec 8), 1000 cached tokens plus the new one.
+    assert one.mla == 1001 * 27_648
+    assert one.experts == 0
+    # Every expert selected, every embedding row read: all the weights, once.
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    V, D = cfg.vocab_size, cfg.hidden_size
+    everything = decode_bytes(
+        model, context_lens=[0] * V, experts_selected={i: cfg.num_experts for i in moe_layers}
+    )
+    assert everything.dense + everything.experts == total
+    # 16 of 896 experts in each of the 92 MoE layers: 16/896 of the routed bytes.
+    sparse = decode_bytes(model, context_lens=[0], experts_selected={i: 16 for i in moe_layers})
+    assert sparse.experts == everything.experts * 16 // 896
+    assert one.dense == everything.dense - (V - 1) * D * 2
+
+
+def test_route_counter_counts_distinct_experts(model_factory):
+    model = model_factory("k3-debug")
+    batch = ForwardBatch.fresh([5])
+    batch.routes_out = {}
+    ids = torch.arange(5)
+    with RouteCounter(model) as rc, torch.no_grad():
+        model.forward_batch(ids, batch, all_logits=True)
+    assert sorted(rc.selected) == sorted(batch.routes_out)
+    for layer, routes in batch.routes_out.items():
+        assert rc.selected[layer] == len(set(routes.flatten().tolist()))
+    assert not model.model.layers["1"].block_sparse_moe.gate._forward_hooks  # removed
