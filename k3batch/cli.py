@@ -190,7 +190,7 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, json
     import json
 
     from k3batch.bench import engine_throughput
-    from k3batch.generate import default_device
+    from k3batch.actors.build import default_device
 
     row = engine_throughput(
         flavor,

@@ -1,75 +1,8 @@
 """Text in, text out on one device: the library side of `k3batch generate`."""
 
-import torch
-
+from k3batch.actors.build import build_engine
 from k3batch.engine.config import EngineConfig
-from k3batch.engine.engine import Engine
 from k3batch.engine.request import GenerationResult, SamplingParams
-from k3batch.model.loader import load_model
-from k3batch.tokenizer import Tokenizer
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def default_dtype(device: str) -> torch.dtype:
-    """bf16 on accelerators (the checkpoint dtype); fp32 on CPU, where the reference ops run."""
-    return torch.float32 if device == "cpu" else torch.bfloat16
-
-
-def build_engine(
-    model_dir: str,
-    engine_config: EngineConfig | None = None,
-    *,
-    device: str | None = None,
-    dtype: torch.dtype | None = None,
-    pp: int = 1,
-    pp_layers=None,
-    tp: int = 1,
-    dcp: int = 1,
-    placement_group=None,
-    decode_placement_group=None,
-) -> tuple[Engine, Tokenizer]:
-    """An engine on this device (pp = tp = 1), or a disaggregated one: a prefill pipeline of pp
-    stage actors and, with tp > 1, a decode group of tp rank actors (Ray). Stages go in
-    bundles 1..pp of `placement_group`, decode ranks in the bundles of
-    `decode_placement_group`."""
-    engine_config = engine_config or EngineConfig()
-    device = device or default_device()
-    dtype = dtype or default_dtype(device)
-    if device == "cpu":
-        # CPU runs are the tiny debug flavors, bound by per-op overhead: extra intra-op threads
-        # only spin (10x slower on a busy 2-core machine).
-        torch.set_num_threads(1)
-    tokenizer = Tokenizer.from_dir(model_dir)
-    stops = tuple(tokenizer.stop_token_ids) or None
-    if pp == 1 and tp == 1:
-        model = load_model(model_dir, dtype=dtype, device=device)
-        return Engine(model, engine_config, eos_token_ids=stops), tokenizer
-    from k3batch.actors.decode import DecodeGroupRunner
-    from k3batch.actors.pipeline import PipelineRunner
-    from k3batch.parallel.group import ParallelLayout
-
-    gpus = 1 if device == "cuda" else 0
-    shared = dict(engine_config=engine_config, device=device, dtype=dtype)
-    runner = PipelineRunner(
-        model_dir,
-        num_stages=pp,
-        placement_group=placement_group,
-        first_bundle=1,
-        num_gpus_per_stage=gpus,
-        stage_sizes=list(pp_layers) if pp_layers else None,
-        **shared,
-    )
-    decode = None
-    if tp > 1:
-        layout = ParallelLayout(tp_size=tp, dcp_size=dcp)
-        decode = DecodeGroupRunner(
-            model_dir, layout, placement_group=decode_placement_group, gpus_per_rank=gpus, **shared
-        )
-    engine = Engine(None, engine_config, runner=runner, decode_runner=decode, eos_token_ids=stops)
-    return engine, tokenizer
 
 
 def generate_text(

@@ -16,7 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 def actor_device(device: str) -> torch.device:
     """The torch device of a group actor ('cpu' or 'cuda': the GPU Ray assigned it). CPU actors
-    run the tiny debug flavors with one intra-op thread (see generate.build_engine)."""
+    run the tiny debug flavors with one intra-op thread (see build.build_engine)."""
     if device == "cpu":
         torch.set_num_threads(1)
         return torch.device("cpu")

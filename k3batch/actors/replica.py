@@ -35,7 +35,7 @@ class ReplicaActor:
         placement_group=None,
         decode_placement_group=None,
     ):
-        from k3batch.generate import build_engine
+        from k3batch.actors.build import build_engine
 
         t0 = time.perf_counter()
         self.engine, self.tokenizer = build_engine(
