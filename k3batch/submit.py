@@ -55,8 +55,8 @@ log = logging.getLogger(__name__)
 JOB_FILE_SUFFIXES = (".toml", ".yaml", ".yml")
 MiB = 1 << 20
 DEFAULT_MAX_UPLOAD_BYTES = 100 * MiB  # Ray's own ceiling for one package is 512 MiB (gRPC)
-# The spec fields a job reads local files from, and the `k3batch run` flags that override them.
-_INPUT_FIELDS = {"model": "--model", "input.path": "--input"}
+# The spec fields that name local paths, and the `k3batch run` flags that override them.
+_INPUT_FIELDS = {"model": "--model", "input.path": "--input", "output.path": "--output"}
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 # The driver joins the cluster it runs on: "auto" resolves to RAY_ADDRESS, which Ray Jobs sets.
 _RUN_COMMAND = ("python", "-m", "k3batch.cli", "run")
@@ -185,6 +185,13 @@ def job_uploads(
     """
     uploads = _files_under(job_file, root, "job spec")
     named = _spec_paths(job_file) | _flag_paths(extra_args)
+    output = named.pop("output.path", None)
+    if output and not _is_shared(output):
+        log.warning(
+            "output.path = %r is relative: on the cluster it lands in the job's working dir, a "
+            "temporary folder; give an absolute path or a URI to keep the results",
+            output,
+        )
     for field, value in sorted(named.items()):
         if _is_shared(value):
             continue
@@ -350,11 +357,12 @@ def _parse_job_file(path: Path) -> dict:
 
 
 def _spec_paths(job_file: Path) -> dict[str, str]:
-    """The spec's `model` and `input.path`, when they are strings."""
+    """The spec's `model`, `input.path` and `output.path`, when they are strings."""
     raw = _parse_job_file(job_file)
-    section = raw.get("input")
     values = {"model": raw.get("model")}
-    values["input.path"] = section.get("path") if isinstance(section, dict) else None
+    for name in ("input", "output"):
+        section = raw.get(name)
+        values[f"{name}.path"] = section.get("path") if isinstance(section, dict) else None
     return {k: v for k, v in values.items() if isinstance(v, str) and v}
 
 

@@ -289,10 +289,11 @@ def _project(root: Path) -> None:
         (root / rel).write_text(text)
 
 
-def test_submit_uploads_only_what_the_job_reads(tmp_path, monkeypatch, fake_client):
+def test_submit_uploads_only_what_the_job_reads(tmp_path, monkeypatch, fake_client, caplog):
     _project(tmp_path)
     monkeypatch.chdir(tmp_path)
     submit_job("jobs/job.toml", address="http://h:8265", check_spec=False)
+    assert "output.path = 'out' is relative" in caplog.text  # out/ is not uploaded either
     assert sorted(fake_client.uploaded) == [
         "ckpt/config.json",
         "ckpt/model.safetensors",
