@@ -15,18 +15,27 @@ retracted: it frees its memory and later runs again from its prompt (same seed, 
 so nothing is lost. A prompt is cut into chunks of at most `chunk_size` tokens, always ending
 at fixed cut points (multiples of chunk_size and, with the prefix cache, the last page
 boundary before the prompt's end), so a prefix hit computes exactly what a miss does.
+
+Failures: what a request holds (its ids, its sampling values) can fail that request only, with
+finish_reason 'error': it is checked when added, and an exception in its own work after a
+forward (sampling, log-probabilities) aborts it alone. An exception in a forward itself is the
+engine's and propagates.
 """
 
+import contextlib
+import logging
 from collections import deque
 
 import torch
 
 from k3batch.cache.manager import CacheManager
 from k3batch.engine.config import EngineConfig
-from k3batch.engine.request import GenerationResult, Phase, Request, SamplingParams
+from k3batch.engine.request import GenerationResult, Phase, Request, SamplingParams, is_int
 from k3batch.engine.runner import LocalRunner
 from k3batch.engine.sampler import make_generator, sample
 from k3batch.model.forward_batch import ForwardBatch
+
+log = logging.getLogger(__name__)
 
 SCRATCH = "\0scratch"  # the decode group's padding rows (see `_submit_decode`)
 
@@ -75,12 +84,14 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None
     ) -> None:
-        """Queue a request. A request that can never run (empty prompt, ids outside the
-        vocabulary, longer than max_seq_len, bad sampling values) finishes at the next step with
-        finish_reason 'error' and the reason in `error`; it never stops other requests."""
-        sampling = sampling or SamplingParams()
-        req = Request(request_id, list(prompt_token_ids), sampling)
-        reason = self._check(req)
+        """Queue a request. Never raises for what a request holds: one that can never run (ids
+        that are not integers of the vocabulary, empty, longer than max_seq_len, bad sampling
+        values) finishes at the next step with finish_reason 'error' and the reason in `error`;
+        it never stops other requests."""
+        sampling = SamplingParams() if sampling is None else sampling
+        ids = list(prompt_token_ids) if isinstance(prompt_token_ids, list | tuple) else None
+        req = Request(request_id, ids or [], sampling)
+        reason = self._check(req) if ids is not None else "prompt token ids must be a list"
         if reason:
             self._fail(req, reason)
             return
@@ -89,6 +100,8 @@ class Engine:
         self.waiting.append(req)
 
     def _check(self, req: Request) -> str | None:
+        if not isinstance(req.sampling, SamplingParams):
+            return f"sampling must be SamplingParams, got {type(req.sampling).__name__}"
         try:
             req.sampling.validate()
         except ValueError as e:
@@ -96,6 +109,9 @@ class Engine:
         ids = req.prompt_token_ids
         if not ids:
             return "empty prompt"
+        bad = [t for t in ids if not is_int(t)]
+        if bad:
+            return f"token id {bad[0]!r} is not an integer"
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             return f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
@@ -280,16 +296,29 @@ class Engine:
     def _finish_prefill(self, plan, batch, want_all, logits) -> None:
         cu = batch.cu_seqlens
         for j, (r, n) in enumerate(plan):
-            if want_all:
-                rows = logits[cu[j] : cu[j + 1]]
-                if r.sampling.prompt_logprobs:
-                    self._add_prompt_logprobs(r, rows, batch.cached_lens[j], n)
-                last = rows[-1]
-            else:
-                last = logits[j]
-            if batch.cached_lens[j] + n == len(r.prompt_token_ids):
-                r.phase = Phase.DECODE if self.decode_runner is None else Phase.HANDOFF
-                self._append_token(r, last)
+            if r not in self.running:
+                continue  # failed in an earlier batch of this step
+            with self._failing_alone(r):
+                if want_all:
+                    rows = logits[cu[j] : cu[j + 1]]
+                    if r.sampling.prompt_logprobs:
+                        self._add_prompt_logprobs(r, rows, batch.cached_lens[j], n)
+                    last = rows[-1]
+                else:
+                    last = logits[j]
+                if batch.cached_lens[j] + n == len(r.prompt_token_ids):
+                    r.phase = Phase.DECODE if self.decode_runner is None else Phase.HANDOFF
+                    self._append_token(r, last)
+
+    @contextlib.contextmanager
+    def _failing_alone(self, req: Request):
+        """Per-request work after a forward (sampling, log-probabilities): an exception there
+        fails this request only, with the exception as its error."""
+        try:
+            yield
+        except Exception as e:
+            log.exception("request %s failed; the others go on", req.request_id)
+            self._abort(req, f"{type(e).__name__}: {e}")
 
     def _add_prompt_logprobs(self, req: Request, rows_TV, start: int, n: int) -> None:
         """rows_TV: logits at prompt positions start .. start+n-1."""
@@ -324,7 +353,8 @@ class Engine:
         logits = runner.wait(handle)
         for r, row in zip(reqs, logits):
             r.num_computed += 1
-            self._append_token(r, row)
+            with self._failing_alone(r):
+                self._append_token(r, row)
 
     def _append_token(self, req: Request, logits_V) -> None:
         p = req.sampling

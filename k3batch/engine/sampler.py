@@ -1,6 +1,6 @@
 """Per-request sampling: greedy, temperature, top-k, top-p, seeded.
 
-Sampling runs in fp32 on the CPU, one row per request, each with its own generator, so a
+Sampling runs on the CPU (scores in fp64), one row per request, each with its own generator, so a
 request's tokens depend only on its own logits and seed, never on the rest of the batch.
 """
 
@@ -22,7 +22,9 @@ def sample(logits_V: torch.Tensor, params: SamplingParams, gen: torch.Generator)
     """One token from one row of logits [V] (fp32, CPU)."""
     if params.is_greedy:
         return int(torch.argmax(logits_V))
-    scores = logits_V / params.temperature
+    # fp64 and shifted so the largest score is 0: any temperature > 0 (1e-300 too, which is 0 in
+    # fp32) gives 0 there and finite or -inf values elsewhere, never nan.
+    scores = (logits_V.double() - logits_V.max()) / params.temperature
     if params.top_k > 0 and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
