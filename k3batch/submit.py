@@ -56,6 +56,7 @@ JOB_FILE_SUFFIXES = (".toml", ".yaml", ".yml")
 MiB = 1 << 20
 DEFAULT_MAX_UPLOAD_BYTES = 100 * MiB  # Ray's own ceiling for one package is 512 MiB (gRPC)
 # The spec fields that name local paths, and the `k3batch run` flags that override them.
+AGENT_WAIT_S = 60.0  # how long a just-started head may take to accept jobs
 _INPUT_FIELDS = {"model": "--model", "input.path": "--input", "output.path": "--output"}
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 # The driver joins the cluster it runs on: "auto" resolves to RAY_ADDRESS, which Ray Jobs sets.
@@ -150,7 +151,8 @@ def submit_job(
         if uploads is not None:
             _stage(uploads, Path(staging))
             runtime_env["working_dir"] = staging  # zipped and uploaded within submit_job
-        submission_id = client.submit_job(
+        submission_id = _submit_when_agent_up(
+            client,
             entrypoint=entrypoint,
             submission_id=submission_id,
             runtime_env=runtime_env,
@@ -310,6 +312,20 @@ def wait_for_job(
         if deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError(f"job {submission_id} still {status} after {timeout_s} s")
         time.sleep(poll_s)
+
+
+def _submit_when_agent_up(client, *, wait_s: float = AGENT_WAIT_S, **kwargs) -> str:
+    """client.submit_job, retried while the head answers that no agent is up yet (a head that
+    has just started; Ray asks to try again later). Any other error is raised at once."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return client.submit_job(**kwargs)
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() > deadline:
+                raise
+            log.info("no job agent on the head yet; retrying")
+            time.sleep(1.0)
 
 
 def _client(address: str, token: str | None):

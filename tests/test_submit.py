@@ -351,3 +351,26 @@ def test_submit_entrypoint_with_working_dir_leaves_dotfiles(tmp_path, fake_clien
     submit_job(None, address="http://h:8265", working_dir=str(tmp_path), entrypoint_override="ls")
     assert not [f for f in fake_client.uploaded if f.startswith(".") or "/." in f]
     assert "old_ckpt/model.safetensors" in fake_client.uploaded
+
+
+def test_submit_retries_while_the_head_has_no_agent(monkeypatch):
+    """A just-started head answers 500 'No available agent ... try again later' for a while."""
+    calls = []
+
+    class Client:
+        def submit_job(self, **kwargs):
+            calls.append(kwargs)
+            if len(calls) < 3:
+                raise RuntimeError("Request failed with status code 500: No available agent")
+            return "raysubmit_late"
+
+    monkeypatch.setattr(submit_mod.time, "sleep", lambda s: None)
+    assert submit_mod._submit_when_agent_up(Client(), entrypoint="true") == "raysubmit_late"
+    assert len(calls) == 3
+
+    class Broken:
+        def submit_job(self, **kwargs):
+            raise RuntimeError("Request failed with status code 400: bad runtime_env")
+
+    with pytest.raises(RuntimeError, match="bad runtime_env"):
+        submit_mod._submit_when_agent_up(Broken(), entrypoint="true")
