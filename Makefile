@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test test-gpu clean
+.PHONY: setup demo test test-wheel test-gpu clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,11 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# The built wheel, installed in a fresh venv, runs a tiny job (offline; about a minute, so it is
+# marked slow and kept out of `make test`, which still builds, installs and imports it).
+test-wheel: setup
+	$(BIN)/python -m pytest -q -m slow tests/test_wheel.py
 
 # On a CUDA host with torch, triton and fla installed.
 test-gpu:

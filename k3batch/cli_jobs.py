@@ -60,7 +60,15 @@ def _json_dict(value: str | None, flag: str) -> dict | None:
 @click.option(
     "--working-dir",
     type=click.Path(exists=True, file_okay=False),
-    help="Folder uploaded with the job (default: current folder if it holds JOB).",
+    help="The job's working dir: relative paths in JOB start there, and of it only JOB and the "
+    "files JOB reads are uploaded (default: current folder if it holds JOB).",
+)
+@click.option(
+    "--max-upload-mib",
+    type=click.FloatRange(min=0),
+    default=100.0,
+    show_default=True,
+    help="Refuse to upload more (checkpoints and data belong on storage the cluster reads).",
 )
 @click.option("--runtime-env-json", default=None, help="Merged into the job's runtime_env.")
 @click.option("--entrypoint-num-gpus", type=float, default=None, help="GPUs for the driver.")
@@ -83,6 +91,7 @@ def submit(
     address,
     token,
     working_dir,
+    max_upload_mib,
     runtime_env_json,
     entrypoint_num_gpus,
     entrypoint_num_cpus,
@@ -94,7 +103,9 @@ def submit(
 ):
     """Submit `k3batch run JOB` to a Ray cluster; print the submission id.
 
-    Arguments after `--` go to `k3batch run`: k3batch submit job.toml -- --model /ckpt
+    Uploads JOB and the local files it reads (relative `model` and `input.path`), never
+    dotfiles; absolute paths and URIs are read by the cluster itself. Arguments after `--` go
+    to `k3batch run`: k3batch submit job.toml -- --model /ckpt
     """
     from k3batch.submit import job_logs, submit_job, wait_for_job
 
@@ -116,6 +127,7 @@ def submit(
             token=token,
             check_spec=not no_check,
             entrypoint_override=entrypoint_override,
+            max_upload_bytes=int(max_upload_mib * (1 << 20)),
         )
     click.echo(submission_id)
     if not wait:

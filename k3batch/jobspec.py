@@ -4,22 +4,34 @@ A spec is a TOML or YAML file with the sections below (the common fields can als
 flags, see `cli.py`); `validate()` checks everything that can be checked before any model is
 loaded and raises `ValueError` naming the field. Example: `jobs/debug_cpu.toml`.
 
+Types are checked strictly, by a pydantic schema derived from the dataclasses' annotations (the
+dataclasses stay the one definition): `batch_rows = "4"`, `num_replicas = 1.5` or
+`prefix_cache = 1` are refused with the field's name and the expected type or values; an int is
+accepted where a float is expected, a list where a tuple is.
+
     model = "out/demo/model"            # checkpoint dir in the official HF layout
     [input]   path, batch_rows, id_column, prompt_column, messages_column, token_ids_column
     [output]  path, logprobs, prompt_logprobs
     [sampling] temperature, top_p, top_k, seed, max_new_tokens, stop_token_ids, ignore_eos
     [replicas] num_replicas, pp, pp_layers, tp, dcp, device, num_gpus, accelerator_type,
-               max_inflight_rows, max_retries
+               max_inflight_rows, max_retries, wait_timeout_s
     [engine]  max_num_seqs, max_seq_len, chunk_size, max_batch_tokens, page_size, memory_pool,
               prefix_cache, cache_bytes, memory_fraction
 """
 
 import dataclasses
+import functools
 import hashlib
 import json
+import operator
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
+
+import pydantic
 
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import SamplingParams
@@ -54,11 +66,12 @@ class ReplicaSpec:
     pp_layers: tuple[int, ...] | None = None  # layers per stage; default: whole AttnRes blocks
     tp: int = 1  # tensor-parallel decode ranks
     dcp: int = 1  # decode context parallelism for the MLA latent
-    device: str = "auto"  # "auto" (cuda if the cluster has GPUs), "cpu" or "cuda"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda if the cluster has GPUs
     num_gpus: float | None = None  # per replica; default pp * tp on cuda
     accelerator_type: str | None = None  # e.g. "H200": lets the autoscaler pick node types
     max_inflight_rows: int = 64  # rows dispatched to one replica and not yet returned
     max_retries: int = 3  # per unit of rows lost to a replica failure
+    wait_timeout_s: float = 600.0  # for resources (placement groups) and replicas to come up
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,7 +86,8 @@ class JobSpec:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def validate(self) -> "JobSpec":
-        """Checks that need no cluster and no model weights."""
+        """Checks that need no cluster and no model weights: types first, then values."""
+        check_types(dataclasses.asdict(self), source="job spec")
         if not self.model:
             raise ValueError("model: no checkpoint directory given")
         if not (Path(self.model) / "config.json").is_file():
@@ -92,8 +106,8 @@ class JobSpec:
                 raise ValueError(f"replicas.{name} = {getattr(r, name)} must be >= 1")
         if r.max_retries < 0:
             raise ValueError(f"replicas.max_retries = {r.max_retries} must be >= 0")
-        if r.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"replicas.device = {r.device!r}; expected auto, cpu or cuda")
+        if not r.wait_timeout_s > 0:
+            raise ValueError(f"replicas.wait_timeout_s = {r.wait_timeout_s} must be > 0")
         cfg = K3Config.from_hf(self.model)
         from k3batch.parallel.group import ParallelLayout
 
@@ -138,29 +152,67 @@ _SECTIONS = {
 
 
 def job_spec_from_dict(raw: dict, *, source: str = "job spec") -> JobSpec:
-    """Build a JobSpec from nested dicts, rejecting unknown keys by name."""
+    """Build a JobSpec from nested dicts, rejecting unknown keys and wrong types by name."""
     top = {f.name for f in dataclasses.fields(JobSpec)}
-    kw = {}
     for key, value in raw.items():
         if key not in top:
             raise ValueError(f"{source}: unknown field {key!r}; known: {', '.join(sorted(top))}")
         if key in _SECTIONS:
             if not isinstance(value, dict):
                 raise ValueError(f"{source}: [{key}] must be a table of fields")
-            cls = _SECTIONS[key]
-            known = {f.name for f in dataclasses.fields(cls)}
+            known = {f.name for f in dataclasses.fields(_SECTIONS[key])}
             for k in value:
                 if k not in known:
                     raise ValueError(
                         f"{source}: unknown field {key}.{k}; known: {', '.join(sorted(known))}"
                     )
-            for name in ("stop_token_ids", "pp_layers"):
-                if value.get(name) is not None:
-                    value = value | {name: tuple(value[name])}
-            kw[key] = cls(**value)
-        else:
-            kw[key] = value
+    checked = check_types(raw, source=source).model_dump(exclude_unset=True)
+    kw = {k: _SECTIONS[k](**v) if k in _SECTIONS else v for k, v in checked.items()}
     return JobSpec(**kw)
+
+
+def check_types(raw: dict, *, source: str = "job spec") -> pydantic.BaseModel:
+    """Check every field of a nested job-spec dict against its annotation; the checked model (lists
+    become tuples where a tuple is declared). ValueError lists each bad field with its value."""
+    try:
+        return _schema(JobSpec).model_validate(raw)
+    except pydantic.ValidationError as e:
+        bad = []
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            value = err.get("input")
+            bad.append(f"{loc} = {value!r} ({type(value).__name__}): {err['msg']}")
+        raise ValueError(f"{source}: " + "; ".join(bad)) from None
+
+
+_STRICT = pydantic.ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+@functools.cache
+def _schema(cls) -> type[pydantic.BaseModel]:
+    """A strict pydantic model with the fields, annotations and defaults of dataclass `cls`."""
+    fields = {}
+    for f in dataclasses.fields(cls):
+        default = (
+            pydantic.Field(default_factory=f.default_factory)
+            if f.default is dataclasses.MISSING
+            else f.default
+        )
+        fields[f.name] = (_strict(typing.get_type_hints(cls)[f.name]), default)
+    return pydantic.create_model(cls.__name__, __config__=_STRICT, **fields)
+
+
+def _strict(ann):
+    """Nested dataclasses become their schema; a tuple also takes a list (TOML, YAML and JSON have
+    no tuples), its items staying strict."""
+    if dataclasses.is_dataclass(ann):
+        return _schema(ann)
+    args = typing.get_args(ann)
+    if typing.get_origin(ann) is tuple:
+        return Annotated[tuple[tuple(_strict(a) for a in args)], pydantic.Strict(False)]
+    if isinstance(ann, types.UnionType):
+        return functools.reduce(operator.or_, (_strict(a) for a in args))
+    return ann
 
 
 def load_job_spec(path: str | Path) -> JobSpec:

@@ -4,15 +4,22 @@ Runs on CPU workers (a Ray task per unit of rows). The prompt source is chosen p
 schema: `prompt_token_ids`, else `messages` (through the checkpoint's chat template), else
 `prompt` (text, encoded with a BOS). Per-row sampling columns override the job's defaults.
 A bad row never raises: it gets an error string naming what is wrong.
+
+Per-row sampling values are coerced where the meaning is certain and rejected otherwise: null
+keeps the job's value; an integral float becomes an int (3.0 -> 3: what pandas writes for an
+int column holding nulls); NaN, inf, fractions where an integer is due, strings, booleans, lists
+and structs make the row's error.
 """
 
 import dataclasses
+import decimal
 import functools
+import math
 from dataclasses import dataclass
 
 import pyarrow as pa
 
-from k3batch.engine.request import SamplingParams
+from k3batch.engine.request import SamplingParams, is_int
 from k3batch.jobspec import ROW_SAMPLING_COLUMNS, InputSpec
 from k3batch.tokenizer import Tokenizer
 
@@ -70,26 +77,43 @@ def prepare_rows(
                     f"prompt of {len(ids)} tokens exceeds the context limit "
                     f"(max_seq_len = {max_seq_len})"
                 )
-            row = {c: v[i] for c, v in overrides.items() if v[i] is not None}
-            sampling = dataclasses.replace(defaults, **row).validate() if row else defaults
+            sampling = row_sampling(defaults, {c: v[i] for c, v in overrides.items()})
             out.append(RowWork(i, ids, sampling))
-        except (ValueError, TypeError) as e:
-            out.append(
-                RowWork(
-                    i,
-                    None,
-                    None,
-                    f"{type(e).__name__}: {e}" if isinstance(e, TypeError) else str(e),
-                )
-            )
+        except Exception as e:  # whatever a row holds, it fails alone
+            msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            out.append(RowWork(i, None, None, msg))
     return out
+
+
+_INT_FIELDS = ("top_k", "seed", "max_new_tokens")
+
+
+def row_sampling(defaults: SamplingParams, values: dict[str, object]) -> SamplingParams:
+    """The job's sampling with one row's non-null overrides, coerced and validated (ValueError
+    naming the column and the value)."""
+    row = {name: _coerce(name, v) for name, v in values.items() if v is not None}
+    return dataclasses.replace(defaults, **row).validate() if row else defaults
+
+
+def _coerce(name: str, value):
+    if isinstance(value, decimal.Decimal) and value.is_finite():
+        value = float(value)
+    if isinstance(value, float) and name in _INT_FIELDS and value.is_integer():
+        return int(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} = {value} must be a finite number")
+    if name in _INT_FIELDS and not is_int(value):
+        raise ValueError(f"{name} = {value!r} ({type(value).__name__}) must be an integer")
+    if not (is_int(value) or isinstance(value, float)):
+        raise ValueError(f"{name} = {value!r} ({type(value).__name__}) must be a number")
+    return value
 
 
 def _encode(value, source: str, spec: InputSpec, tok: Tokenizer) -> list[int]:
     if value is None:
         raise ValueError(f"{source} is null")
     if source == spec.token_ids_column:
-        if not isinstance(value, list) or not all(isinstance(t, int) for t in value):
+        if not isinstance(value, list) or not all(is_int(t) for t in value):
             raise ValueError(f"{source} must be a list of integers")
         return value
     if source == spec.messages_column:

@@ -1,8 +1,10 @@
 """EngineConfig: the runtime settings of one engine (scheduling and cache memory)."""
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-MEMORY_POOLS = ("unified", "static")
+MemoryPool = Literal["unified", "static"]
+MEMORY_POOLS = get_args(MemoryPool)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -12,7 +14,7 @@ class EngineConfig:
     chunk_size: int = 256  # prompt tokens per request per prefill step
     max_batch_tokens: int = 2048  # tokens per prefill step
     page_size: int = 16  # tokens per MLA page (local tokens under DCP)
-    memory_pool: str = "unified"  # "unified": KDA blocks and MLA pages share one arena;
+    memory_pool: MemoryPool = "unified"  # "unified": KDA blocks and MLA pages share one arena;
     # "static": a fixed region of max_num_seqs KDA blocks, pages in the rest (for comparison)
     prefix_cache: bool = True  # share prompt prefixes: MLA pages and KDA checkpoints
     cache_bytes: int = 0  # arena bytes per device; 0: memory_fraction on a GPU when set,

@@ -15,18 +15,27 @@ retracted: it frees its memory and later runs again from its prompt (same seed, 
 so nothing is lost. A prompt is cut into chunks of at most `chunk_size` tokens, always ending
 at fixed cut points (multiples of chunk_size and, with the prefix cache, the last page
 boundary before the prompt's end), so a prefix hit computes exactly what a miss does.
+
+Failures: what a request holds (its ids, its sampling values) can fail that request only, with
+finish_reason 'error': it is checked when added, and an exception in its own work after a
+forward (sampling, log-probabilities) aborts it alone. An exception in a forward itself is the
+engine's and propagates.
 """
 
+import contextlib
+import logging
 from collections import deque
 
 import torch
 
 from k3batch.cache.manager import CacheManager
 from k3batch.engine.config import EngineConfig
-from k3batch.engine.request import GenerationResult, Phase, Request, SamplingParams
+from k3batch.engine.request import GenerationResult, Phase, Request, SamplingParams, is_int
 from k3batch.engine.runner import LocalRunner
 from k3batch.engine.sampler import draw_seed, sample_batch
 from k3batch.model.forward_batch import ForwardBatch
+
+log = logging.getLogger(__name__)
 
 SCRATCH = "\0scratch"  # the decode group's padding rows (see `_submit_decode`)
 
@@ -75,12 +84,14 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None
     ) -> None:
-        """Queue a request. A request that can never run (empty prompt, ids outside the
-        vocabulary, longer than max_seq_len, bad sampling values) finishes at the next step with
-        finish_reason 'error' and the reason in `error`; it never stops other requests."""
-        sampling = sampling or SamplingParams()
-        req = Request(request_id, list(prompt_token_ids), sampling)
-        reason = self._check(req)
+        """Queue a request. Never raises for what a request holds: one that can never run (ids
+        that are not integers of the vocabulary, empty, longer than max_seq_len, bad sampling
+        values) finishes at the next step with finish_reason 'error' and the reason in `error`;
+        it never stops other requests."""
+        sampling = SamplingParams() if sampling is None else sampling
+        ids = list(prompt_token_ids) if isinstance(prompt_token_ids, list | tuple) else None
+        req = Request(request_id, ids or [], sampling)
+        reason = self._check(req) if ids is not None else "prompt token ids must be a list"
         if reason:
             self._fail(req, reason)
             return
@@ -89,6 +100,8 @@ class Engine:
         self.waiting.append(req)
 
     def _check(self, req: Request) -> str | None:
+        if not isinstance(req.sampling, SamplingParams):
+            return f"sampling must be SamplingParams, got {type(req.sampling).__name__}"
         try:
             req.sampling.validate()
         except ValueError as e:
@@ -96,6 +109,9 @@ class Engine:
         ids = req.prompt_token_ids
         if not ids:
             return "empty prompt"
+        bad = [t for t in ids if not is_int(t)]
+        if bad:
+            return f"token id {bad[0]!r} is not an integer"
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             return f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
@@ -280,16 +296,28 @@ class Engine:
         cu = batch.cu_seqlens
         done, last = [], []
         for j, (r, n) in enumerate(plan):
-            if want_all:
-                rows = logits[cu[j] : cu[j + 1]]
-                if r.sampling.prompt_logprobs:
+            if r not in self.running:
+                continue  # failed in an earlier batch of this step
+            with self._failing_alone(r):
+                if want_all and r.sampling.prompt_logprobs:
+                    rows = logits[cu[j] : cu[j + 1]]
                     self._add_prompt_logprobs(r, rows, batch.cached_lens[j], n)
-            if batch.cached_lens[j] + n == len(r.prompt_token_ids):
-                r.phase = Phase.DECODE if self.decode_runner is None else Phase.HANDOFF
-                done.append(r)
-                last.append(cu[j + 1] - 1 if want_all else j)
+                if batch.cached_lens[j] + n == len(r.prompt_token_ids):
+                    r.phase = Phase.DECODE if self.decode_runner is None else Phase.HANDOFF
+                    done.append(r)
+                    last.append(cu[j + 1] - 1 if want_all else j)
         if done:
             self._sample(done, logits[torch.tensor(last, device=logits.device)])
+
+    @contextlib.contextmanager
+    def _failing_alone(self, req: Request):
+        """Per-request work after a forward (sampling, log-probabilities): an exception there
+        fails this request only, with the exception as its error."""
+        try:
+            yield
+        except Exception as e:
+            log.exception("request %s failed; the others go on", req.request_id)
+            self._abort(req, f"{type(e).__name__}: {e}")
 
     def _add_prompt_logprobs(self, req: Request, rows_TV, start: int, n: int) -> None:
         """rows_TV: logits at prompt positions start .. start+n-1."""
@@ -328,28 +356,44 @@ class Engine:
         self._sample(reqs, logits[: len(reqs)])
 
     def _sample(self, reqs: list[Request], logits_BV) -> None:
-        """One token for each request from its row of logits (on the logits' device)."""
-        tokens, logprobs = sample_batch(
+        """One token for each request from its row of logits, sampled where the logits are.
+        If the batch call fails, each request is sampled alone, so a failure stays its own."""
+        try:
+            tokens, logprobs = self._draw(reqs, logits_BV)
+        except Exception:
+            log.exception("sampling a batch of %d failed; sampling each alone", len(reqs))
+            for i, r in enumerate(reqs):
+                with self._failing_alone(r):
+                    (tok,), lp = self._draw([r], logits_BV[i : i + 1])
+                    self._append_token(r, tok, lp[0] if lp else None)
+            return
+        for i, r in enumerate(reqs):
+            with self._failing_alone(r):
+                self._append_token(r, tokens[i], logprobs[i] if logprobs else None)
+
+    def _draw(self, reqs: list[Request], logits_BV):
+        return sample_batch(
             logits_BV,
             [r.sampling for r in reqs],
             [self._seeds[r.request_id] for r in reqs],
             [len(r.output_token_ids) for r in reqs],
             want_logprobs=any(r.sampling.logprobs for r in reqs),
         )
-        for i, (req, tok) in enumerate(zip(reqs, tokens)):
-            p = req.sampling
-            req.output_token_ids.append(tok)
-            if p.logprobs:
-                req.output_logprobs.append(logprobs[i])
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-            if tok in stops:
-                req.finish_reason = "stop"
-            elif len(req.output_token_ids) >= p.max_new_tokens or (
-                len(req.all_token_ids) >= self.config.max_seq_len
-            ):
-                req.finish_reason = "length"
-            if req.finish_reason:
-                req.phase = Phase.FINISHED
+
+    def _append_token(self, req: Request, tok: int, logprob: float | None) -> None:
+        p = req.sampling
+        req.output_token_ids.append(tok)
+        if p.logprobs:
+            req.output_logprobs.append(logprob)
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        if tok in stops:
+            req.finish_reason = "stop"
+        elif len(req.output_token_ids) >= p.max_new_tokens or (
+            len(req.all_token_ids) >= self.config.max_seq_len
+        ):
+            req.finish_reason = "length"
+        if req.finish_reason:
+            req.phase = Phase.FINISHED
 
     def _result(self, req: Request) -> GenerationResult:
         self._seeds.pop(req.request_id)

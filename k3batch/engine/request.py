@@ -4,7 +4,11 @@ The engine works on token ids only; tokenization belongs to the caller.
 """
 
 import enum
+import math
+import numbers
 from dataclasses import dataclass, field
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes at most an unsigned 64-bit value
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -20,6 +24,15 @@ class SamplingParams:
     prompt_logprobs: bool = False  # log p of each prompt token given its prefix (first: None)
 
     def validate(self) -> "SamplingParams":
+        """ValueError naming the field for a value of the wrong type or range: nothing that
+        passes can fail in the sampler (per-row values come from user data)."""
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not is_real(value) or not math.isfinite(value):
+                raise ValueError(f"{name} = {value!r} must be a finite number")
+        for name in ("top_k", "max_new_tokens"):
+            if not is_int(getattr(self, name)):
+                raise ValueError(f"{name} = {getattr(self, name)!r} must be an integer")
         if not self.temperature >= 0:
             raise ValueError(f"temperature = {self.temperature} must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -28,11 +41,28 @@ class SamplingParams:
             raise ValueError(f"top_k = {self.top_k} must be >= 0")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens = {self.max_new_tokens} must be >= 1")
+        if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed = {self.seed!r} must be an integer in [0, 2**64)")
+        if not isinstance(self.stop_token_ids, tuple | list) or not all(
+            is_int(t) for t in self.stop_token_ids
+        ):
+            raise ValueError(f"stop_token_ids = {self.stop_token_ids!r} must be integers")
+        for name in ("ignore_eos", "logprobs", "prompt_logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} = {getattr(self, name)!r} must be true or false")
         return self
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 class Phase(enum.Enum):

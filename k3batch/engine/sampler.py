@@ -56,8 +56,12 @@ def sample_batch(
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if rows:
         idx = torch.tensor(rows, device=dev)
-        temp = torch.tensor([params[i].temperature for i in rows], device=dev)
-        probs = torch.softmax(logits[idx].double() / temp[:, None].double(), dim=-1)
+        temp = torch.tensor([params[i].temperature for i in rows], device=dev, dtype=torch.float64)
+        # fp64, shifted so the largest score is 0: any temperature > 0 (1e-300 too) gives 0
+        # there and finite or -inf values elsewhere, never nan.
+        scores = logits[idx].double()
+        scores = (scores - scores.max(-1, keepdim=True).values) / temp[:, None]
+        probs = torch.softmax(scores, dim=-1)
         if any(params[i].top_k > 0 or params[i].top_p < 1 for i in rows):
             # Filter in sorted order, then keep every token at least as likely as the last one
             # kept: sampling stays in vocabulary order, whatever the other rows ask for.

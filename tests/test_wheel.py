@@ -1,0 +1,117 @@
+"""A real install: build the wheel, install it in a fresh venv, import it and run `k3batch` there.
+
+Offline: the wheel is built with this venv's setuptools (`pip wheel --no-deps
+--no-build-isolation`) and installed with `--no-deps --no-index`; the fresh venv then sees this
+venv's dependencies (torch, ray, ...) through a .pth file of path lines, which does not run this
+venv's own .pth files, so the editable k3batch of the test venv stays invisible there.
+
+Fails before the fix: pyproject.toml listed its packages by hand and left out k3batch.actors and
+k3batch.parallel (delete "k3batch.actors" from the list and both tests below fail).
+"""
+
+import os
+import pkgutil
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tomllib
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE_ROOTS = {"k3batch": REPO / "k3batch", "k3kernels": REPO / "kernels"}  # import name: folder
+
+
+def _source_packages() -> set[str]:
+    """Each folder with an __init__.py under k3batch/ and kernels/, by import name."""
+    names = set()
+    for name, root in PACKAGE_ROOTS.items():
+        for init in root.rglob("__init__.py"):
+            parts = init.parent.relative_to(root).parts
+            if "__pycache__" not in parts:
+                names.add(".".join((name, *parts)))
+    return names
+
+
+def test_pyproject_lists_every_package():
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    listed = set(pyproject["tool"]["setuptools"]["packages"])
+    missing, extra = _source_packages() - listed, listed - _source_packages()
+    assert not missing, f"pyproject.toml [tool.setuptools] packages lacks {missing}"
+    assert not extra, f"pyproject.toml lists packages that have no folder: {extra}"
+
+
+def _run(cmd, *, cwd, timeout=300, env=None) -> str:
+    res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert res.returncode == 0, f"{cmd} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
+    return res.stdout
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """A fresh venv holding the built wheel; returns its bin/ folder."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"  # a copy: building in place would leave build/ and egg-info in the checkout
+    src.mkdir()
+    shutil.copy(REPO / "pyproject.toml", src)
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    for folder in PACKAGE_ROOTS.values():
+        shutil.copytree(folder, src / folder.name, ignore=skip)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
+    _run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"), str(src)],
+         cwd=tmp)  # fmt: skip
+    (wheel,) = (tmp / "dist").glob("k3batch-*.whl")
+    venv = tmp / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp)
+    py = venv / "bin" / "python"
+    _run([*pip, "--python", str(py), "install", "--no-deps", "--no-index", str(wheel)], cwd=tmp)
+    # Only now the test venv's packages become visible (pip must not see its editable k3batch).
+    site = _run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=tmp)
+    ours = {Path(sysconfig.get_path("stdlib")).resolve(), REPO}
+    deps = [p for p in sys.path if p and Path(p).is_dir()]
+    deps = [p for p in deps if not any(Path(p).resolve().is_relative_to(o) for o in ours)]
+    (Path(site.strip()) / "zz_test_venv_deps.pth").write_text("\n".join(deps) + "\n")
+    return venv / "bin"
+
+
+def _all_modules() -> list[str]:
+    out = []
+    for name, root in PACKAGE_ROOTS.items():
+        out.append(name)
+        out += [m.name for m in pkgutil.walk_packages([str(root)], prefix=f"{name}.")]
+    return sorted(out)
+
+
+def test_wheel_imports_every_module_and_runs_cli(installed, tmp_path):
+    modules = _all_modules()
+    assert "k3batch.actors.replica" in modules and "k3batch.parallel.group" in modules
+    code = (
+        "import importlib, sys\n"
+        f"mods = {modules!r}\n"
+        "for m in mods:\n"
+        "    f = importlib.import_module(m).__file__\n"
+        "    assert f.startswith(sys.prefix), (m, f)\n"  # from the wheel, not the checkout
+        "print('imported', len(mods))\n"
+    )
+    out = _run([str(installed / "python"), "-c", code], cwd=tmp_path)
+    assert f"imported {len(modules)}" in out
+    help_ = _run([str(installed / "k3batch"), "run", "--help"], cwd=tmp_path)
+    assert "--batch-rows" in help_
+
+
+@pytest.mark.slow
+def test_wheel_runs_a_tiny_job(installed, tmp_path):
+    """The installed `k3batch` writes a checkpoint and runs a job on a local Ray (~1 min)."""
+    k3 = str(installed / "k3batch")
+    _run([k3, "init-checkpoint", "--flavor", "k3-debug", "ckpt"], cwd=tmp_path)
+    pq.write_table(pa.table({"prompt": ["hello", "kimi linear"]}), tmp_path / "in.parquet")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    _run([k3, "run", "--model", "ckpt", "--input", "in.parquet", "--output", "out",
+          "--device", "cpu", "--max-new-tokens", "2", "--temperature", "0", "--max-seq-len", "64",
+          "--chunk-size", "32"], cwd=tmp_path, timeout=240, env=env)  # fmt: skip
+    rows = pq.read_table(tmp_path / "out").to_pylist()
+    assert len(rows) == 2 and all(r["error"] is None for r in rows)
