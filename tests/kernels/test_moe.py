@@ -1,0 +1,204 @@
+"""The routed-expert kernels (`k3kernels.moe`) against the fp32 torch reference.
+
+Inputs are drawn once in fp32 from a fixed generator and cast to the tested dtype; the
+reference reads the cast values in fp32, so the error measured is the path's own. Tolerances
+come from `k3kernels.moe.TOLERANCES`. CPU (default suite): the torch path of `fused_experts`
+(grouped GEMM, torch activation and combine) at tiny shapes, and the Triton kernels under
+TRITON_INTERPRET=1 in a subprocess (this file run as a script, so the interpreter flag is set
+before triton is imported and never leaks into other tests). GPU (`gpu`): K3-slice shapes
+(E 112, top-2, latent 3584, I 3072) at 8,192 and 64 tokens, an expert-parallel half, bf16 and
+fp32, determinism, and no host sync in the whole MoE block.
+Old code: `Experts.forward` read the group counts with `.tolist()`, which
+`test_moe_block_reads_nothing_on_the_host` catches.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from k3kernels.moe import TOLERANCES
+from k3kernels.moe import reference as R
+from k3kernels.moe.experts import fused_experts
+from k3kernels.moe.grouped_gemm import grouped_mm, grouped_mm_loop
+from k3kernels.moe.permute import sort_slots
+
+from k3batch.testing import assert_close
+
+# name -> (T, D, I, E, k, first_expert, local experts); E is the model's expert count.
+TINY = {
+    "T1-D32-I24-E8-k2": (1, 32, 24, 8, 2, 0, 8),
+    "T33-D32-I24-E8-k2": (33, 32, 24, 8, 2, 0, 8),
+    "T40-D64-I40-E6-k3": (40, 64, 40, 6, 3, 0, 6),
+    "T33-D32-I24-E8-k2-ep4of8": (33, 32, 24, 8, 2, 4, 4),
+}
+K3_SLICE = {
+    "T8192-prefill": (8192, 3584, 3072, 112, 2, 0, 112),
+    "T64-decode": (64, 3584, 3072, 112, 2, 0, 112),
+    "T8192-ep2-rank1": (8192, 3584, 3072, 112, 2, 56, 56),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _inputs(shape, dtype, device, seed=0):
+    """(x, w13, w2, ids, weights): fp32 draws cast to dtype; ids are distinct per token."""
+    T, D, I, E, k, first, local = shape
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g)
+    w13 = torch.randn(local, 2 * I, D, generator=g) / D**0.5
+    w2 = torch.randn(local, D, I, generator=g) / I**0.5
+    ids = torch.rand(T, E, generator=g).topk(k, dim=-1).indices
+    w = torch.rand(T, k, generator=g) + 0.1
+    cast = [t.to(device=device, dtype=dtype) for t in (x, w13, w2)]
+    return (*cast, ids.to(device), w.to(device))
+
+
+def _check_experts(shape, dtype, device, use_triton):
+    x, w13, w2, ids, w = _inputs(shape, dtype, device)
+    first = shape[5]
+    kw = dict(act="situ", beta=4.0, linear_beta=25.0, first_expert=first)
+    ref = R.experts_reference(x, w13, w2, ids, w, **kw)
+    out = fused_experts(x, w13, w2, ids, w, use_triton=use_triton, **kw)
+    assert out.dtype == torch.float32
+    rel, mx = TOLERANCES[("experts", dtype)]
+    return assert_close("experts", ref, out, rel_rms=rel, max_abs=mx)
+
+
+def _check_act(M, I, act, dtype, device):
+    """moe_act on fused rows, and gated_act on the same values as two strided views."""
+    from k3kernels.moe.act import gated_act, moe_act
+
+    g = torch.Generator().manual_seed(1)
+    h = (torch.randn(M, 2 * I, generator=g) * 3).to(device=device, dtype=dtype)
+    ref = R.gated_act_reference(h, act)
+    rel, mx = TOLERANCES[("act", dtype)]
+    out = moe_act(h, act)
+    assert out.dtype == dtype
+    assert_close(f"act_{act}", ref, out, rel_rms=rel, max_abs=mx)
+    out = gated_act(h[:, :I], h[:, I:], act)
+    return assert_close(f"act_{act}_pair", ref, out, rel_rms=rel, max_abs=mx)
+
+
+def _check_combine(T, k, D, dtype, device):
+    from k3kernels.moe.combine import moe_combine
+
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 5, (T, k), generator=g)
+    order = sort_slots(ids.to(device), 4)  # expert 4 is not held here: those slots are invalid
+    y = torch.randn(T * k, D, generator=g).to(device=device, dtype=dtype)
+    y[order.slot_pos_Tk[~order.valid_Tk]] = float("nan")  # unwritten rows must never be read
+    w = (torch.rand(T, k, generator=g) + 0.1).to(device)
+    ref = R.combine_reference(y, order.slot_pos_Tk, w, order.valid_Tk)
+    out = moe_combine(y, order.slot_pos_Tk, w, order.valid_Tk)
+    rel, mx = TOLERANCES[("combine", dtype)]
+    return assert_close("combine", ref, out, rel_rms=rel, max_abs=mx)
+
+
+# ---- CPU, default suite --------------------------------------------------------------------
+
+
+def test_sort_slots_groups_each_expert_in_slot_order():
+    ids = torch.tensor([[3, 0], [1, 3], [0, 7], [3, 1]])  # expert 7: another rank's (E = 4)
+    order = sort_slots(ids, 4)
+    assert order.offs_E.dtype == torch.int32
+    assert order.offs_E.tolist() == [2, 4, 4, 7]  # experts 0, 1, 2 (none), 3; slot 7 after
+    assert order.token_M.tolist() == [0, 2, 1, 3, 0, 1, 3, 2]
+    assert torch.equal(order.valid_Tk, ids < 4)
+    flat = torch.empty(8, dtype=torch.long)
+    flat[order.slot_pos_Tk.reshape(-1)] = torch.arange(8)
+    assert torch.equal(flat // 2, order.token_M)  # slot_pos inverts the order
+    ep = sort_slots(ids, 2, first_expert=2)  # a rank holding experts 2 and 3
+    assert ep.offs_E.tolist() == [0, 3] and ep.token_M[:3].tolist() == [0, 1, 3]
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_grouped_mm_matches_loop(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 32, generator=g).to(dtype)
+    w = torch.randn(5, 48, 32, generator=g).to(dtype)
+    offs = torch.tensor([3, 3, 10, 17, 17], dtype=torch.int32)  # empty groups; rows 17+ unused
+    out, ref = grouped_mm(x, w, offs), grouped_mm_loop(x, w, offs)
+    assert_close("grouped_mm", ref[:17].float(), out[:17].float(), rel_rms=1e-6)
+
+
+@pytest.mark.parametrize("shape", TINY.values(), ids=TINY.keys())
+def test_fused_experts_torch_path_matches_reference(shape):
+    _check_experts(shape, torch.float32, "cpu", use_triton=False)
+
+
+def test_moe_block_reads_nothing_on_the_host(model_factory, monkeypatch):
+    """The expert pass calls no Python-level host read (the old loop did `.tolist()`)."""
+    moe = model_factory("k3-debug").model.layers["1"].block_sparse_moe
+    x = torch.randn(9, moe.experts.w2.shape[1])
+    ids = torch.randint(0, moe.experts.w2.shape[0], (9, 2))
+    w = torch.rand(9, 2)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host read in the expert pass")
+
+    for name in ("tolist", "item", "nonzero", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    with torch.no_grad():
+        moe.experts(x, ids, w)
+
+
+def test_moe_triton_kernels_interpreted_on_cpu():
+    """Runs this file as a script under TRITON_INTERPRET=1 (see `_interpreted_checks`)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, __file__], env=env, cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "interpreted checks passed" in done.stdout
+
+
+def _interpreted_checks():
+    for dtype in DTYPES.values():
+        for act in ("situ", "silu"):
+            _check_act(5, 40, act, dtype, "cpu")
+        _check_combine(7, 3, 40, dtype, "cpu")
+    for name in ("T33-D32-I24-E8-k2", "T33-D32-I24-E8-k2-ep4of8"):
+        _check_experts(TINY[name], torch.float32, "cpu", use_triton=True)
+    print("interpreted checks passed")
+
+
+# ---- GPU: K3-slice shapes ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", K3_SLICE.values(), ids=K3_SLICE.keys())
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_experts_matches_reference_gpu(shape, dtype):
+    _check_experts(shape, dtype, "cuda", use_triton=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_moe_act_and_combine_gpu(dtype):
+    for act in ("situ", "silu"):
+        _check_act(16384, 3072, act, dtype, "cuda")
+    _check_combine(8192, 2, 3584, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_experts_deterministic_and_sync_free_gpu():
+    x, w13, w2, ids, w = _inputs(K3_SLICE["T8192-prefill"], torch.bfloat16, "cuda")
+    kw = dict(act="situ", use_triton=True)
+    first = fused_experts(x, w13, w2, ids, w, **kw)  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = fused_experts(x, w13, w2, ids, w, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(first, again)
+
+
+if __name__ == "__main__":
+    _interpreted_checks()
