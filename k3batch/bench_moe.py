@@ -6,7 +6,9 @@ own random bf16 weights and routes drawn like a router's (top-k of random scores
 T k / E slots per expert). Useful FLOPs: 2 T k (3 D I) per layer (gate-up 2 D 2 I, down 2 I D).
 Rows: "experts" (the whole `fused_experts` pass: sort, gather, grouped GEMMs, fused activation,
 combine), "gemm" (the two grouped GEMMs alone on pre-sorted rows, the ceiling of this design)
-and "torch-elementwise" (the pass with torch activation and combine, to show what fusing buys).
+"torch-elementwise" (the pass with torch activation and combine, to show what fusing buys) and
+"loop-before" (the per-expert loop this replaced: counts read on the host, two GEMMs for gate
+and up, torch activation, index_add_).
 Times are CUDA-event medians of whole passes over all layers after a warm-up.
 """
 
@@ -87,15 +89,46 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
             grouped_mm(xs, w13, offs)
             grouped_mm(h, w2, offs)
 
+    def loop_before():
+        for x, w13, w2, ids, w in layers:
+            _loop_experts(x, w13, w2, ids, w, **kw)
+
     rows = []
-    for impl, fn in (("experts", experts(True)), ("gemm", gemm_only),
-                     ("torch-elementwise", experts(False))):  # fmt: skip
+    impls = [("experts", experts(True)), ("gemm", gemm_only),
+             ("torch-elementwise", experts(False)), ("loop-before", loop_before)]  # fmt: skip
+    for impl, fn in impls:
         ms = _time_ms(fn, repeats)
         tflops = flops / ms / 1e9
         rows.append({"impl": impl, "flavor": flavor, "layers": num_layers, "tokens": num_tokens,
                      "ms": round(ms, 3), "tflops": round(tflops, 1),
                      "pct_peak": round(100 * tflops / PEAK_BF16_TFLOPS, 1)})  # fmt: skip
     return rows
+
+
+def _loop_experts(x_TD, w13, w2, ids_Tk, weights_Tk, *, act, beta, linear_beta):
+    """The routed experts as computed before the grouped GEMMs (base commit 998277b)."""
+    I = w2.shape[2]
+    out = torch.zeros(x_TD.shape[0], x_TD.shape[1], dtype=torch.float32, device=x_TD.device)
+    flat = ids_Tk.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    token = order // ids_Tk.shape[1]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        sel, tok = order[start : start + n], token[start : start + n]
+        start += n
+        xe = x_TD[tok]
+        g, u = (xe @ w13[e, :I].t()).float(), (xe @ w13[e, I:].t()).float()
+        if act == "situ":
+            up = linear_beta * torch.tanh(u / linear_beta)
+            h = beta * torch.tanh(g / beta) * torch.sigmoid(g) * up
+        else:
+            h = torch.nn.functional.silu(g) * u
+        ye = (h.to(x_TD.dtype) @ w2[e].t()).float() * weights_Tk.reshape(-1)[sel, None]
+        out.index_add_(0, tok, ye)
+    return out
 
 
 def format_moe_table(rows: list[dict]) -> str:
