@@ -24,12 +24,15 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _inputs(n, T, D, dtype, device, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    cands = [torch.randn(T, D, generator=g) * (1 + j) for j in range(n)]
-    query = torch.randn(1, D, generator=g) / D**0.5 * 4
-    gamma = 1 + 0.1 * torch.randn(D, generator=g)
-    cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
-    return [cast(c) for c in cands], cast(query), cast(gamma)
+    g = torch.Generator(device=device).manual_seed(seed)  # on the device: 10 x 8192 x 7168
+
+    def randn(*size):
+        return torch.randn(*size, generator=g, device=device)
+
+    cands = [randn(T, D) * (1 + j) for j in range(n)]
+    query = randn(1, D) / D**0.5 * 4
+    gamma = 1 + 0.1 * randn(D)
+    return [c.to(dtype) for c in cands], query.to(dtype), gamma.to(dtype)
 
 
 def _check_mix(n, T, D, dtype, device, mix_fn=None):
