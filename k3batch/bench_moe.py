@@ -7,9 +7,11 @@ T k / E slots per expert). Useful FLOPs: 2 T k (3 D I) per layer (gate-up 2 D 2 
 Rows: "experts" (the whole `fused_experts` pass: sort, gather, grouped GEMMs, fused activation,
 combine), "gemm" (the two grouped GEMMs alone on pre-sorted rows, the ceiling of this design),
 "experts-split2" / "gemm-split2" (each grouped GEMM cut into two row halves, for smaller CUTLASS
-tiles: see `k3kernels.moe.grouped_gemm`), "torch-elementwise" (the pass with torch activation
-and combine, to show what fusing buys) and "loop-before" (the per-expert loop this replaced:
-counts read on the host, two GEMMs for gate and up, torch activation, index_add_).
+tiles: see `k3kernels.moe.grouped_gemm`), "experts-triton64" / "gemm-triton64" (the Triton
+grouped GEMM with 64-row tiles, `k3kernels.moe.grouped_gemm_triton`), "torch-elementwise" (the
+pass with torch activation and combine, to show what fusing buys) and "loop-before" (the
+per-expert loop this replaced: counts read on the host, two GEMMs for gate and up, torch
+activation, index_add_). A row that fails reports its error instead of a time.
 First H200 run (torch 2.11): experts 22.0 ms = 345 TFLOP/s (44% of peak), gemm 20.1 ms = 378
 TFLOP/s (49%), torch-elementwise 35.0 ms (28%): the grouped GEMMs' tile waste (see
 grouped_gemm.py) bounds this design, not the sort, activation or combine (2 ms together).
@@ -17,12 +19,14 @@ Times are CUDA-event medians of whole passes over all layers after a warm-up.
 """
 
 import statistics
+from functools import partial
 
 import torch
 
 from k3batch.model import get_flavor
 from k3kernels.moe.experts import fused_experts
 from k3kernels.moe.grouped_gemm import grouped_mm
+from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton
 from k3kernels.moe.permute import sort_slots
 
 PEAK_BF16_TFLOPS = 777.0  # dense bf16 GEMM measured on one H200 (issue 12)
@@ -80,19 +84,22 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
         sorted_rows.append((x.index_select(0, order.token_M), order.offs_E))
     h_shape = (num_tokens * k, I)
 
-    def experts(use_triton, parts=1):
+    def experts(use_triton, parts=1, impl="torch"):
         def run():
             for x, w13, w2, ids, w in layers:
-                fused_experts(x, w13, w2, ids, w, use_triton=use_triton, gemm_parts=parts, **kw)
+                fused_experts(x, w13, w2, ids, w, use_triton=use_triton, gemm_parts=parts,
+                              gemm_impl=impl, **kw)  # fmt: skip
 
         return run
 
-    def gemm_only(parts=1):
+    def gemm_only(parts=1, impl="torch"):
+        gemm = grouped_mm_triton if impl == "triton" else partial(grouped_mm, num_parts=parts)
+
         def run():
             h = torch.empty(h_shape, dtype=torch.bfloat16, device=device)
             for (x, w13, w2, _, _), (xs, offs) in zip(layers, sorted_rows):
-                grouped_mm(xs, w13, offs, num_parts=parts)
-                grouped_mm(h, w2, offs, num_parts=parts)
+                gemm(xs, w13, offs)
+                gemm(h, w2, offs)
 
         return run
 
@@ -103,9 +110,15 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
     rows = []
     impls = [("experts", experts(True)), ("gemm", gemm_only()),
              ("experts-split2", experts(True, 2)), ("gemm-split2", gemm_only(2)),
+             ("experts-triton64", experts(True, impl="triton")),
+             ("gemm-triton64", gemm_only(impl="triton")),
              ("torch-elementwise", experts(False)), ("loop-before", loop_before)]  # fmt: skip
     for impl, fn in impls:
-        ms = _time_ms(fn, repeats)
+        try:
+            ms = _time_ms(fn, repeats)
+        except Exception as e:  # an experimental row must not hide the others
+            rows.append({"impl": impl, "error": f"{type(e).__name__}: {e}"[:300]})
+            continue
         tflops = flops / ms / 1e9
         rows.append({"impl": impl, "flavor": flavor, "layers": num_layers, "tokens": num_tokens,
                      "ms": round(ms, 3), "tflops": round(tflops, 1),
@@ -140,13 +153,16 @@ def _loop_experts(x_TD, w13, w2, ids_Tk, weights_Tk, *, act, beta, linear_beta):
 
 
 def format_moe_table(rows: list[dict]) -> str:
-    r0 = rows[0]
+    r0 = next((r for r in rows if "error" not in r), {"flavor": "?", "layers": "?", "tokens": "?"})
     lines = [
         f"routed experts, {r0['flavor']}: {r0['layers']} layers x {r0['tokens']} tokens, bf16; "
         f"peak {PEAK_BF16_TFLOPS:.0f} TFLOP/s",
         "impl              |      ms | TFLOP/s | % of peak",
     ]
     for r in rows:
+        if "error" in r:
+            lines.append(f"{r['impl']:17s} | error: {r['error']}")
+            continue
         lines.append(
             f"{r['impl']:17s} | {r['ms']:7.2f} | {r['tflops']:7.1f} | {r['pct_peak']:8.1f}%"
         )

@@ -11,10 +11,11 @@ Rows after offs[-1] are left unwritten (uninitialized): callers must not read th
 Tile size: torch's CUTLASS dispatch picks 128 x 256 tiles when rows / groups > 128 and 64 x 128
 tiles otherwise. K3-slice prefill has 16,384 slots over 112 experts, ~146 rows per group, so each
 group fills one 128-row tile and 18/128 of a second: 57% of the computed rows are useful,
-consistent with the H200's 378 TFLOP/s for the GEMMs alone (0.57 x ~660). `num_parts` > 1 cuts the rows
-into equal parts, each its own call with clipped group ends (still no sync), so that each call
-has fewer rows per group and gets the 64-row tiles (3 x 64 = 192 rows per ~146-row group: 76%).
-Not yet measured on a GPU: `k3batch bench moe` has rows for it; the default stays 1.
+consistent with the H200's 378 TFLOP/s for the GEMMs alone (0.57 x ~660). `num_parts` > 1
+cuts the rows into equal parts, each its own call with clipped group ends (still no sync), so
+that each call has fewer rows per group and gets the 64-row tiles (3 x 64 = 192 rows per
+~146-row group: 76%). Not yet measured on a GPU: `k3batch bench moe` has rows for it; the
+default stays 1. `grouped_gemm_triton` is the other way out (64-row tiles in Triton).
 Shape legend: M sorted rows, K input width, N output width, E experts.
 """
 

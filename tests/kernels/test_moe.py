@@ -62,12 +62,13 @@ def _inputs(shape, dtype, device, seed=0):
     return x.to(dtype), w13.to(dtype), w2.to(dtype), ids, w
 
 
-def _check_experts(shape, dtype, device, use_triton, gemm_parts=1):
+def _check_experts(shape, dtype, device, use_triton, gemm_parts=1, gemm_impl="torch"):
     x, w13, w2, ids, w = _inputs(shape, dtype, device)
     first = shape[5]
     kw = dict(act="situ", beta=4.0, linear_beta=25.0, first_expert=first)
     ref = R.experts_reference(x, w13, w2, ids, w, **kw)
-    out = fused_experts(x, w13, w2, ids, w, use_triton=use_triton, gemm_parts=gemm_parts, **kw)
+    out = fused_experts(x, w13, w2, ids, w, use_triton=use_triton, gemm_parts=gemm_parts,
+                        gemm_impl=gemm_impl, **kw)  # fmt: skip
     assert out.dtype == torch.float32
     rel, mx = TOLERANCES[("experts", dtype)]
     return assert_close("experts", ref, out, rel_rms=rel, max_abs=mx)
@@ -101,6 +102,26 @@ def _check_combine(T, k, D, dtype, device):
     out = moe_combine(y, order.slot_pos_Tk, w, order.valid_Tk)
     rel, mx = TOLERANCES[("combine", dtype)]
     return assert_close("combine", ref, out, rel_rms=rel, max_abs=mx)
+
+
+def _check_grouped_mm_triton(device, **blocks):
+    """The Triton grouped GEMM against the loop, fp32 and bf16, with empty groups, groups longer
+    than one 64-row tile and unused rows at the end."""
+    from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(150, 48, generator=g)
+    w = torch.randn(5, 40, 48, generator=g) / 7
+    offs = torch.tensor([3, 3, 70, 140, 140], dtype=torch.int32, device=device)
+    ref = grouped_mm_loop(x, w, offs.cpu())[:140]
+    # fp32 on a GPU: tl.dot runs as TF32 (10-bit mantissa, ~3e-4 rms over K 48).
+    fp32_tol = 1e-5 if device == "cpu" else 2e-3
+    for dtype, tol in ((torch.float32, fp32_tol), (torch.bfloat16, 1e-2)):
+        xd, wd = x.to(device=device, dtype=dtype), w.to(device=device, dtype=dtype)
+        out = grouped_mm_triton(xd, wd, offs, **blocks)[:140]
+        ref_d = grouped_mm_loop(xd.float(), wd.float(), offs)[:140]  # the cast inputs, in fp32
+        assert_close(f"grouped_mm_triton_{dtype}", ref_d, out, rel_rms=tol)
+    return ref
 
 
 # ---- CPU, default suite --------------------------------------------------------------------
@@ -172,6 +193,9 @@ def _interpreted_checks():
         _check_combine(7, 3, 40, dtype, "cpu")
     for name in ("T33-D32-I24-E8-k2", "T33-D32-I24-E8-k2-ep4of8"):
         _check_experts(TINY[name], torch.float32, "cpu", use_triton=True)
+    _check_grouped_mm_triton("cpu", block_n=16, block_k=16)
+    _check_experts(TINY["T33-D32-I24-E8-k2-ep4of8"], torch.float32, "cpu", use_triton=True,
+                   gemm_impl="triton")  # fmt: skip
     print("interpreted checks passed")
 
 
@@ -186,6 +210,14 @@ def test_fused_experts_matches_reference_gpu(shape, dtype):
     _check_experts(shape, dtype, "cuda", use_triton=True)
     if dtype == torch.bfloat16:
         _check_experts(shape, dtype, "cuda", use_triton=True, gemm_parts=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_mm_triton_gpu():
+    _check_grouped_mm_triton("cuda")
+    _check_experts(K3_SLICE["T8192-prefill"], torch.bfloat16, "cuda", use_triton=True,
+                   gemm_impl="triton")  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
