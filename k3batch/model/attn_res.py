@@ -30,7 +30,9 @@ def attn_res_mix(candidates: list[torch.Tensor], query_D, norm_weight_D, eps: fl
     candidates: n tensors [T, D]. fp32 scores, softmax and sum; returns the candidates' dtype.
     No temperature and no bias (spec section 3). CUDA: one fused Triton kernel
     (`k3kernels.attn_res.mix`); elsewhere the torch reference."""
-    if candidates[0].is_cuda and len(candidates) <= MAX_CANDIDATES:
+    dtype = candidates[0].dtype
+    fusable = len(candidates) <= MAX_CANDIDATES and all(c.dtype == dtype for c in candidates)
+    if candidates[0].is_cuda and fusable:
         from k3kernels.attn_res.mix import attn_res_mix as fused  # needs triton
 
         return fused(candidates, query_D, norm_weight_D, eps)
