@@ -1,5 +1,12 @@
 """Benchmarks (numbers are printed, never asserted). `k3batch bench pipeline`: the fill of a
-chunked prefill pipeline against the teaching model.
+chunked prefill pipeline against the teaching model. `k3batch bench engine`: single-device
+prefill and decode speed, prefill MFU, peak memory and (with --profile) the top ops by GPU time.
+`k3batch bench moe` lives in `bench_moe.py`.
+
+MFU counts useful FLOPs as 2 x active parameters per token (every projection, the top-k routed
+experts and the shared experts, the LM head; not the embedding lookup, not the attention
+scores), over PEAK_BF16_TFLOPS (bf16 GEMM measured on the H200): k3-slice has 6.78 B active
+parameters, so 100% is about 57k tokens/s.
 
 Teaching model: n equal chunks through P stages take n + P - 1 chunk-times, in which each stage
 works n of them, so the fill (mean busy fraction) is n / (n + P - 1): 5 chunks over 8 stages
@@ -14,6 +21,7 @@ import ray
 import torch
 
 from k3batch.actors.pipeline import PipelineRunner
+from k3batch.bench_moe import PEAK_BF16_TFLOPS
 from k3batch.engine.config import EngineConfig
 from k3batch.model.forward_batch import ForwardBatch
 
@@ -107,10 +115,27 @@ def run_pipeline_bench(model_dir, *, num_stages, chunk_counts, chunk_tokens, dev
             ray.shutdown()
 
 
+def active_params(config) -> int:
+    """Parameters a token meets (see module doc), from a meta-device model."""
+    from k3batch.model import K3Model
+
+    with torch.device("meta"):
+        model = K3Model(config)
+    total = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
+    idle = config.num_experts - config.num_experts_per_token
+    for layer in model.model.layers.values():
+        if hasattr(layer, "block_sparse_moe"):
+            ex = layer.block_sparse_moe.experts
+            total -= idle * (ex.w13.numel() + ex.w2.numel()) // config.num_experts
+    return total
+
+
 def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, new_tokens: int,
-                      chunk_size: int, seed: int = 0) -> dict:  # fmt: skip
+                      chunk_size: int, seed: int = 0, profile: bool = False) -> dict:  # fmt: skip
     """Single-device engine speed on random weights made on the device (no checkpoint):
-    prefill tokens/s over `batch` prompts, then decode tokens/s with all of them running."""
+    prefill tokens/s over `batch` prompts, then decode tokens/s with all of them running.
+    With `profile`, one more prefill runs under the torch profiler and the row gets
+    "profile": the top ops by self GPU time (CPU time without CUDA)."""
     from k3batch.engine.config import EngineConfig
     from k3batch.engine.engine import Engine
     from k3batch.engine.request import Phase, SamplingParams
@@ -130,32 +155,78 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
     vocab = model.config.vocab_size
     sp = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
 
-    def run():
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def prefill():
         for i in range(batch):
             engine.add_request(
                 str(i), torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), sp
             )
+        sync()
         t = time.perf_counter()
         engine.step()  # admits everything
         while any(r.phase is Phase.PREFILL for r in engine.running):
             engine.step()
-        t_prefill = time.perf_counter() - t
+        sync()
+        return time.perf_counter() - t
+
+    def decode():
         steps = 0
         t = time.perf_counter()
         while engine.has_unfinished():
             engine.step()
             steps += 1
-        return t_prefill, time.perf_counter() - t, steps
+        sync()
+        return time.perf_counter() - t, steps
 
-    run()  # warm-up: kernel compilation and autotuning
+    prefill(), decode()  # warm-up: kernel compilation and autotuning
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    t_prefill, t_decode, steps = run()
-    return {
+    t_prefill = prefill()
+    t_decode, steps = decode()
+    prefill_tps = batch * prompt_len / t_prefill
+    flops_per_token = 2 * active_params(model.config)
+    row = {
         "flavor": flavor, "device": device, "batch": batch, "prompt_len": prompt_len,
         "new_tokens": new_tokens, "chunk_size": chunk_size, "build_s": round(build_s, 1),
-        "prefill_tokens_per_s": round(batch * prompt_len / t_prefill, 1),
+        "prefill_tokens_per_s": round(prefill_tps, 1),
+        "prefill_tflops": round(prefill_tps * flops_per_token / 1e12, 1),
+        "prefill_mfu_pct": round(100 * prefill_tps * flops_per_token / 1e12 / PEAK_BF16_TFLOPS, 1),
         "decode_tokens_per_s": round(batch * (new_tokens - 1) / t_decode, 1),
         "decode_step_ms": round(1000 * t_decode / max(steps, 1), 2),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
     }  # fmt: skip
+    if profile:
+        row["profile"] = _profile_prefill(prefill, cuda)
+        decode()
+    return row
+
+
+def _profile_prefill(prefill, cuda: bool, top: int = 25) -> dict:
+    """{"wall_ms", "ops"}: one prefill under the profiler, its top ops by self device time
+    (self CPU time on CPU) with their share of the total."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=acts) as prof:
+        wall_s = prefill()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
+    total_us = sum(getattr(e, attr) for e in events) or 1.0
+    ops = [{"op": e.key[:70], "ms": round(getattr(e, attr) / 1000, 2), "calls": e.count,
+            "pct": round(100 * getattr(e, attr) / total_us, 1)} for e in events[:top]]  # fmt: skip
+    return {"wall_ms": round(1000 * wall_s, 1), "total_ms": round(total_us / 1000, 1), "ops": ops}
+
+
+def format_profile(profile: dict) -> str:
+    lines = [
+        f"one prefill under the profiler: wall {profile['wall_ms']} ms, "
+        f"op time {profile['total_ms']} ms (self device time; CPU time without CUDA)",
+        "    ms |     % | calls | op",
+    ]
+    for o in profile["ops"]:
+        lines.append(f"{o['ms']:6.1f} | {o['pct']:5.1f} | {o['calls']:5d} | {o['op']}")
+    return "\n".join(lines)

@@ -184,13 +184,14 @@ def bench_pipeline(model_dir, stages, chunks, chunk_tokens, device, address, jso
 @click.option("--prompt-len", default=512, show_default=True, type=int)
 @click.option("--new-tokens", default=32, show_default=True, type=int)
 @click.option("--chunk-size", default=2048, show_default=True, type=int)
+@click.option("--profile", is_flag=True, help="Also print the top ops of one prefill.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
-def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, json_path):
-    """Single-device engine throughput on random weights made on the device."""
+def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, profile, json_path):
+    """Single-device engine throughput, prefill MFU and peak memory on random weights."""
     import json
 
-    from k3batch.bench import engine_throughput
     from k3batch.actors.build import default_device
+    from k3batch.bench import engine_throughput, format_profile
 
     row = engine_throughput(
         flavor,
@@ -199,11 +200,36 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, json
         prompt_len=prompt_len,
         new_tokens=new_tokens,
         chunk_size=chunk_size,
+        profile=profile,
     )
-    click.echo(json.dumps(row))
+    if profile:
+        click.echo(format_profile(row["profile"]))
+    click.echo(json.dumps({k: v for k, v in row.items() if k != "profile"}))
     if json_path:
         with open(json_path, "a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+@bench.command("moe")
+@click.option("--flavor", default="k3-slice", show_default=True)
+@click.option("--tokens", default=8192, show_default=True, type=int)
+@click.option("--layers", default=None, type=int, help="MoE layers (default: all of the flavor).")
+@click.option("--repeats", default=10, show_default=True, type=int)
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def bench_moe(flavor, tokens, layers, repeats, json_path):
+    """Routed experts alone (bf16, CUDA): TFLOP/s and % of the bf16 GEMM peak."""
+    import json
+
+    from k3batch.bench_moe import format_moe_table, moe_throughput
+
+    try:
+        rows = moe_throughput(flavor, num_tokens=tokens, num_layers=layers, repeats=repeats)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(format_moe_table(rows))
+    if json_path:
+        with open(json_path, "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
 
 
 @bench.command("layouts")

@@ -91,7 +91,7 @@ def _tensors(config: K3Config) -> tuple[tuple[str, float, bool], ...]:
     out = []
     for name, p in model.named_parameters():
         parts = name.split(".")
-        routed = parts[-2] == "experts" and parts[-1] in ("w1", "w2", "w3")
+        routed = parts[-2] == "experts" and parts[-1] in ("w13", "w2")
         nbytes = p.numel() * (expert_bytes if routed else BF16_BYTES)
         out.append((name, nbytes, split_dim(name) is not None))
     return tuple(out)

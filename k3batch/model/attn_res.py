@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from k3kernels.attn_res import MAX_CANDIDATES
+from k3kernels.attn_res.reference import attn_res_mix_reference
+
 
 @dataclass
 class Stream:
@@ -25,13 +28,15 @@ def attn_res_mix(candidates: list[torch.Tensor], query_D, norm_weight_D, eps: fl
     """softmax_j(<gamma * w, RMSNorm(V_j)>) weighted sum of the un-normalized candidates.
 
     candidates: n tensors [T, D]. fp32 scores, softmax and sum; returns the candidates' dtype.
-    No temperature and no bias (spec section 3)."""
-    V = torch.stack(candidates).float()  # [n, T, D]
-    r = torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)
-    w = norm_weight_D.float() * query_D.float().reshape(-1)  # gamma and w only as a product
-    score = (V * r * w).sum(-1)  # [n, T]
-    alpha = torch.softmax(score, dim=0)
-    return (alpha[..., None] * V).sum(0).to(candidates[0].dtype)
+    No temperature and no bias (spec section 3). CUDA: one fused Triton kernel
+    (`k3kernels.attn_res.mix`); elsewhere the torch reference."""
+    dtype = candidates[0].dtype
+    fusable = len(candidates) <= MAX_CANDIDATES and all(c.dtype == dtype for c in candidates)
+    if candidates[0].is_cuda and fusable:
+        from k3kernels.attn_res.mix import attn_res_mix as fused  # needs triton
+
+        return fused(candidates, query_D, norm_weight_D, eps)
+    return attn_res_mix_reference(candidates, query_D, norm_weight_D, eps)
 
 
 def mix(stream: Stream, proj: nn.Linear, norm: nn.Module):

@@ -41,6 +41,10 @@ def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
             val = normal(shape, 0.1)
         elif leaf.endswith("conv1d"):
             val = normal(shape, 0.5)
+        elif leaf == "w13":  # fused experts: drawn as w1 then w3, as when they were two params
+            for rows in p.chunk(2, dim=1):
+                rows.copy_(normal(rows.shape, 1 / math.sqrt(shape[-1])).to(p.dtype))
+            continue
         else:  # projections and stacked experts: fan_in is the last dim
             std = 1 / math.sqrt(shape[-1]) * (0.5 if leaf in _OUT_PROJ else 1.0)
             val = normal(shape, std)

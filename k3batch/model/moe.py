@@ -12,7 +12,8 @@ Shape legend: T tokens, D hidden, Lt latent width, I expert width, E experts, k 
 import torch
 from torch import nn
 
-from k3batch.model.layers import GatedMLP, RMSNorm, gated_act, linear
+from k3batch.model.layers import GatedMLP, RMSNorm, linear
+from k3kernels.moe.experts import fused_experts
 
 
 class Router(nn.Module):
@@ -43,8 +44,10 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E gated experts stacked as w1, w3 [E, I, Din] and w2 [E, Din, I] (HF names
-    experts.{e}.w1/w2/w3 map onto slices of these)."""
+    """E gated experts stacked as w13 [E, 2 I, Din] (gate rows w1 then up rows w3, fused so one
+    GEMM computes both) and w2 [E, Din, I]. The checkpoint's experts.{e}.w1 / w3 / w2 map onto
+    slices of these (`w1` and `w3` are views). Holds experts [first_expert, first_expert + E):
+    0 for the whole model, an expert-parallel rank's range otherwise."""
 
     def __init__(self, config, in_size: int, dtype=None, device=None):
         super().__init__()
@@ -54,31 +57,27 @@ class Experts(nn.Module):
             config.situ_beta,
             config.situ_linear_beta,
         )
-        self.w1 = nn.Parameter(torch.empty(E, I, in_size, dtype=dtype, device=device))
-        self.w3 = nn.Parameter(torch.empty(E, I, in_size, dtype=dtype, device=device))
+        self.first_expert = 0
+        self.w13 = nn.Parameter(torch.empty(E, 2 * I, in_size, dtype=dtype, device=device))
         self.w2 = nn.Parameter(torch.empty(E, in_size, I, dtype=dtype, device=device))
 
+    @property
+    def w1(self):
+        """Gate weights [E, I, Din] (a view of w13)."""
+        return self.w13[:, : self.w2.shape[2]]
+
+    @property
+    def w3(self):
+        """Up weights [E, I, Din] (a view of w13)."""
+        return self.w13[:, self.w2.shape[2] :]
+
     def forward(self, x_TD, ids_Tk, weights_Tk):
-        """sum_i w_i E_i(x) per token, accumulated in fp32; returns fp32 [T, Din]."""
-        out = torch.zeros(x_TD.shape[0], x_TD.shape[1], dtype=torch.float32, device=x_TD.device)
-        flat = ids_Tk.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.w1.shape[0]).tolist()
-        token = order // ids_Tk.shape[1]
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            sel = order[start : start + n]
-            tok = token[start : start + n]
-            start += n
-            xe = x_TD[tok]
-            h = gated_act(
-                xe @ self.w1[e].t(), xe @ self.w3[e].t(), self.act, self.beta, self.linear_beta
-            )
-            ye = (h @ self.w2[e].t()).float() * weights_Tk.reshape(-1)[sel, None]
-            out.index_add_(0, tok, ye)
-        return out
+        """sum_i w_i E_i(x) per token over the experts held here, accumulated in fp32;
+        returns fp32 [T, Din]. Grouped GEMMs, no host sync (`k3kernels.moe.experts`)."""
+        return fused_experts(
+            x_TD, self.w13, self.w2, ids_Tk, weights_Tk, act=self.act, beta=self.beta,
+            linear_beta=self.linear_beta, first_expert=self.first_expert,
+        )  # fmt: skip
 
 
 class SparseMoE(nn.Module):

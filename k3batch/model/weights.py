@@ -2,7 +2,8 @@
 
 Official names equal our parameter names (spec section 11) except: K3 prefixes the text model
 with `language_model.`; routed experts are stored per expert (`experts.{e}.w1.weight` [I, Din],
-or MXFP4 `weight_packed` + `weight_scale`) while we stack them ([E, I, Din]); and KDA `A_log`
+or MXFP4 `weight_packed` + `weight_scale`) while we stack them (w2 [E, Din, I]; w1 and w3 fused
+into w13 [E, 2 I, Din], gate rows first); and KDA `A_log`
 is stored as [head_dim] (K3) or [1, 1, H, 1] (Kimi Linear) while we keep [H] (spec 14.2).
 Loading reads the index and the shard headers first and raises `ValueError` (naming the
 tensor) on missing, unexpected or misshapen tensors and missing shard files before any weight
@@ -44,10 +45,21 @@ class Entry:
     role: str  # "weight" (plain copy), "A_log", "packed" or "scale" (MXFP4 halves)
     shape: tuple[int, ...]  # shape in the checkpoint
     dtype: torch.dtype  # dtype in the checkpoint
+    part: int | None = None  # fused w13: 0 = its gate rows (w1), 1 = its up rows (w3)
 
     @property
     def num_bytes(self) -> int:
         return self.dtype.itemsize * _numel(self.shape)
+
+
+def expert_rows(param: torch.Tensor, entry: Entry, expert: int) -> torch.Tensor:
+    """The view of stacked expert parameter `param` that checkpoint tensor `entry` fills, for
+    row `expert` of the stack (the entry's own, or a rank-local index under expert parallelism)."""
+    rows = param[expert]
+    if entry.part is None:
+        return rows
+    n = rows.shape[0] // 2
+    return rows.narrow(0, entry.part * n, n)
 
 
 def _numel(shape) -> int:
@@ -66,7 +78,8 @@ def _meta_model(config: K3Config) -> K3Model:
 
 def _entries(meta: K3Model, mxfp4: bool) -> list[Entry]:
     """Every checkpoint tensor of the bf16 model `meta` (see `_meta_model`), in parameter
-    order. Stacked experts [E, out, in] become E tensors: bf16 [out, in], or MXFP4 halves."""
+    order. Stacked experts [E, out, in] become E tensors: bf16 [out, in], or MXFP4 halves;
+    fused w13 [E, 2 I, in] becomes the E tensors of w1, then the E of w3, each [I, in]."""
     H, K = meta.config.kda_num_heads, meta.config.kda_head_dim
     out = []
     for fqn, p in meta.named_parameters():
@@ -76,14 +89,19 @@ def _entries(meta: K3Model, mxfp4: bool) -> list[Entry]:
         elif ".experts.w" in fqn:
             base, w = fqn.rsplit(".", 1)
             E, rows, cols = p.shape
+            parts = ((w, None),) if w != "w13" else (("w1", 0), ("w3", 1))
+            rows //= len(parts)
             halves = (("packed", (rows, cols // 2)), ("scale", (rows, -(-cols // 32))))
-            for e in range(E):
-                name = f"{base}.{e}.{w}"
-                if not mxfp4:
-                    out.append(Entry(f"{name}.weight", fqn, e, "weight", (rows, cols), p.dtype))
-                    continue
-                for role, shape in halves:
-                    out.append(Entry(f"{name}.weight_{role}", fqn, e, role, shape, torch.uint8))
+            for w, part in parts:
+                for e in range(E):
+                    name = f"{base}.{e}.{w}"
+                    if not mxfp4:
+                        shape = (rows, cols)
+                        out.append(Entry(f"{name}.weight", fqn, e, "weight", shape, p.dtype, part))
+                        continue
+                    for role, shape in halves:
+                        name_r = f"{name}.weight_{role}"
+                        out.append(Entry(name_r, fqn, e, role, shape, torch.uint8, part))
         else:
             out.append(Entry(fqn, fqn, None, "weight", tuple(p.shape), p.dtype))
     return out
@@ -218,18 +236,20 @@ def load_weights_(model: K3Model, plan: LoadPlan) -> K3Model:
                 if entry.role == "A_log":
                     param.copy_(t.reshape(-1)[: param.shape[0]])
                 elif entry.role == "weight":
-                    (param if entry.expert is None else param[entry.expert]).copy_(t)
+                    dst = param if entry.expert is None else expert_rows(param, entry, entry.expert)
+                    dst.copy_(t)
                 else:
                     if t.dtype != torch.uint8:
                         raise ValueError(f"tensor {raw}: MXFP4 data must be uint8, found {t.dtype}")
-                    pair = halves.setdefault((entry.param, entry.expert), {})
+                    key = (entry.param, entry.expert, entry.part)
+                    pair = halves.setdefault(key, {})
                     pair[entry.role] = t.to(param.device)
                     if len(pair) == 2:
                         w = dequantize_mxfp4(pair["packed"], pair["scale"], dtype=param.dtype)
-                        param[entry.expert].copy_(w)
-                        del halves[(entry.param, entry.expert)]
+                        expert_rows(param, entry, entry.expert).copy_(w)
+                        del halves[key]
     if halves:  # only possible when an expert is stored both ways, one of them incomplete
-        (param, e), pair = next(iter(halves.items()))
+        (param, e, _), pair = next(iter(halves.items()))
         raise ValueError(f"{param}[{e}]: MXFP4 {list(pair)} found without its other half")
     return model
 
@@ -350,7 +370,9 @@ def _quantize_stacked(w_EOI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _export(param: torch.Tensor, entry: Entry, gen, quantized: dict) -> torch.Tensor:
     """The checkpoint tensor for one entry: a fresh contiguous CPU tensor (safetensors refuses
     tensors that share storage)."""
-    src = param.detach() if entry.expert is None else param.detach()[entry.expert]
+    src = param.detach()
+    if entry.expert is not None:
+        src = expert_rows(src, entry, entry.expert)
     src = src.to("cpu")
     if entry.role == "A_log":
         pad = _numel(entry.shape) - src.numel()
@@ -360,8 +382,9 @@ def _export(param: torch.Tensor, entry: Entry, gen, quantized: dict) -> torch.Te
         if entry.param not in quantized:
             quantized.clear()
             quantized[entry.param] = _quantize_stacked(param)
-        packed, scale = quantized[entry.param]
-        return (packed if entry.role == "packed" else scale)[entry.expert].clone()
+        packed, scale = quantized[entry.param]  # rows quantize independently: slice after
+        half = packed if entry.role == "packed" else scale
+        return expert_rows(half, entry, entry.expert).clone()
     return src.to(dtype=entry.dtype, copy=True).contiguous()
 
 

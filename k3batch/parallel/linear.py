@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3batch.model.layers import GatedMLP, gated_act
+from k3batch.model.layers import GatedMLP
 from k3batch.model.moe import Experts, SparseMoE
 from k3batch.parallel.group import ParallelGroup
 
@@ -50,7 +50,7 @@ class VocabParallelLMHead(nn.Linear):
 
 
 class ExpertParallelExperts(Experts):
-    """This rank's slice of the stacked experts: w1, w3 [E/N, I, Din], w2 [E/N, Din, I], holding
+    """This rank's slice of the stacked experts: w13 [E/N, 2 I, Din], w2 [E/N, Din, I], holding
     global experts [first_expert, first_expert + E/N). Takes global expert ids."""
 
     def __init__(self, config, in_size: int, group: ParallelGroup, dtype=None, device=None):
@@ -68,28 +68,7 @@ class ExpertParallelExperts(Experts):
 
     def partial(self, x_TD, ids_Tk, weights_Tk):
         """The same sum restricted to this rank's experts (not reduced), fp32 [T, Din]."""
-        out = torch.zeros(x_TD.shape[0], x_TD.shape[1], dtype=torch.float32, device=x_TD.device)
-        local_Tk = ids_Tk - self.first_expert
-        mine = (local_Tk >= 0) & (local_Tk < self.num_local_experts)
-        tok, slot = mine.nonzero(as_tuple=True)  # (token, position in its top-k) pairs here
-        if tok.numel() == 0:
-            return out
-        experts = local_Tk[tok, slot]
-        order = torch.argsort(experts, stable=True)
-        tok, slot, experts = tok[order], slot[order], experts[order]
-        counts = torch.bincount(experts, minlength=self.num_local_experts).tolist()
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            t, s = tok[start : start + n], slot[start : start + n]
-            start += n
-            xe = x_TD[t]
-            h = gated_act(
-                xe @ self.w1[e].t(), xe @ self.w3[e].t(), self.act, self.beta, self.linear_beta
-            )
-            out.index_add_(0, t, (h @ self.w2[e].t()).float() * weights_Tk[t, s, None])
-        return out
+        return super().forward(x_TD, ids_Tk, weights_Tk)
 
 
 class ParallelSparseMoE(SparseMoE):

@@ -20,7 +20,7 @@ from k3batch.model.config import K3Config
 from k3batch.model.k3 import K3Model
 from k3batch.model.layers import GatedMLP
 from k3batch.model.mxfp4 import dequantize_mxfp4
-from k3batch.model.weights import plan_load
+from k3batch.model.weights import expert_rows, plan_load
 from k3batch.parallel.context import ContextParallelMLA
 from k3batch.parallel.group import ParallelGroup, ParallelLayout
 from k3batch.parallel.linear import ParallelSparseMoE, RowParallelLinear, VocabParallelLMHead
@@ -31,7 +31,7 @@ from k3batch.parallel.linear import ParallelSparseMoE, RowParallelLinear, VocabP
 _ROWS = {
     "q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "A_log", "dt_bias",
     "f_b_proj", "b_proj", "g_proj", "g_b_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj",
-    "lm_head", "w1", "w2", "w3",
+    "lm_head", "w13", "w2",
 }  # fmt: skip
 _COLUMNS = {"o_proj", "down_proj"}
 
@@ -166,15 +166,16 @@ def load_rank_weights_(rank_model: K3Model, checkpoint_dir, layout: ParallelLayo
                     e = entry.expert - first_expert
                     if not 0 <= e < num_local_experts:
                         continue  # another rank's expert: not read
+                    dst = expert_rows(param, entry, e)
                     if entry.role == "weight":
-                        _copy_(param[e], f.get_tensor(raw), raw)
+                        _copy_(dst, f.get_tensor(raw), raw)
                     else:
-                        pair = halves.setdefault((entry.param, e), {})
+                        pair = halves.setdefault((entry.param, e, entry.part), {})
                         pair[entry.role] = f.get_tensor(raw).to(param.device)
                         if len(pair) == 2:
                             w = dequantize_mxfp4(pair["packed"], pair["scale"], dtype=param.dtype)
-                            _copy_(param[e], w, raw)
-                            del halves[(entry.param, e)]
+                            _copy_(dst, w, raw)
+                            del halves[(entry.param, e, entry.part)]
                 elif entry.role == "A_log":  # tiny; stored padded or [1, 1, H, 1] (spec 14.2)
                     a = f.get_tensor(raw).reshape(-1)[: config.kda_num_heads]
                     n = param.shape[0]
@@ -184,7 +185,7 @@ def load_rank_weights_(rank_model: K3Model, checkpoint_dir, layout: ParallelLayo
                     _copy_(param, t, raw)
                 filled.add(entry.param)
     if halves:
-        (name, e), pair = next(iter(halves.items()))
+        (name, e, _), pair = next(iter(halves.items()))
         raise ValueError(f"{name}[{e}]: MXFP4 {list(pair)} found without its other half")
     missing = set(params) - filled
     if missing:

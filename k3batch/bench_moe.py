@@ -1,0 +1,169 @@
+"""`k3batch bench moe`: the routed experts alone, against the GPU's bf16 GEMM peak.
+
+The workload is one prefill chunk through every MoE layer of a flavor (k3-slice: 7 layers,
+8,192 tokens, top-2 of 112 experts, latent width 3584, expert width 3072), each layer with its
+own random bf16 weights and routes drawn like a router's (top-k of random scores, so about
+T k / E slots per expert). Useful FLOPs: 2 T k (3 D I) per layer (gate-up 2 D 2 I, down 2 I D).
+Rows: "experts" (the whole `fused_experts` pass: sort, gather, grouped GEMMs, fused activation,
+combine), "gemm" (the two grouped GEMMs alone on pre-sorted rows, the ceiling of this design),
+"experts-split2" / "gemm-split2" (each grouped GEMM cut into two row halves, for smaller CUTLASS
+tiles: see `k3kernels.moe.grouped_gemm`), "experts-triton64" / "gemm-triton64" (the Triton
+grouped GEMM with 64-row tiles, `k3kernels.moe.grouped_gemm_triton`), "torch-elementwise" (the
+pass with torch activation and combine, to show what fusing buys) and "loop-before" (the
+per-expert loop this replaced: counts read on the host, two GEMMs for gate and up, torch
+activation, index_add_). A row that fails reports its error instead of a time.
+First H200 run (torch 2.11): experts 22.0 ms = 345 TFLOP/s (44% of peak), gemm 20.1 ms = 378
+TFLOP/s (49%), torch-elementwise 35.0 ms (28%): the grouped GEMMs' tile waste (see
+grouped_gemm.py) bounds this design, not the sort, activation or combine (2 ms together).
+Times are CUDA-event medians of whole passes over all layers after a warm-up.
+"""
+
+import statistics
+from functools import partial
+
+import torch
+
+from k3batch.model import get_flavor
+from k3kernels.moe.experts import fused_experts
+from k3kernels.moe.grouped_gemm import grouped_mm
+from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton
+from k3kernels.moe.permute import sort_slots
+
+PEAK_BF16_TFLOPS = 777.0  # dense bf16 GEMM measured on one H200 (issue 12)
+
+
+def _layer_inputs(config, num_tokens: int, gen, device):
+    D = config.routed_expert_hidden_size or config.hidden_size
+    E, I, k = config.num_experts, config.moe_intermediate_size, config.num_experts_per_token
+
+    def randn(*shape, std):
+        return (torch.randn(*shape, generator=gen, device=device) * std).to(torch.bfloat16)
+
+    x = randn(num_tokens, D, std=1.0)
+    w13 = randn(E, 2 * I, D, std=D**-0.5)
+    w2 = randn(E, D, I, std=I**-0.5)
+    scores = torch.rand(num_tokens, E, generator=gen, device=device)
+    ids = scores.topk(k, dim=-1).indices
+    weights = scores.gather(-1, ids)
+    return x, w13, w2, ids, weights
+
+
+def _time_ms(fn, repeats: int) -> float:
+    fn()  # warm-up: Triton compilation, CUTLASS setup
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_layers=None,
+                   repeats: int = 10, seed: int = 0) -> list[dict]:  # fmt: skip
+    """Rows {"impl", "ms", "tflops", "pct_peak"} for the routed experts of `num_layers` MoE
+    layers (default: all of the flavor's) at `num_tokens` tokens, on CUDA in bf16."""
+    if not torch.cuda.is_available():
+        raise ValueError("bench moe needs a CUDA device")
+    config = get_flavor(flavor)
+    if num_layers is None:
+        num_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    layers = [_layer_inputs(config, num_tokens, gen, device) for _ in range(num_layers)]
+    kw = dict(act=config.hidden_act, beta=config.situ_beta, linear_beta=config.situ_linear_beta)
+    D = layers[0][0].shape[1]
+    k, I = config.num_experts_per_token, config.moe_intermediate_size
+    flops = num_layers * 2 * num_tokens * k * 3 * D * I
+    sorted_rows = []
+    for x, w13, w2, ids, _ in layers:
+        order = sort_slots(ids, config.num_experts)
+        sorted_rows.append((x.index_select(0, order.token_M), order.offs_E))
+    h_shape = (num_tokens * k, I)
+
+    def experts(use_triton, parts=1, impl="torch"):
+        def run():
+            for x, w13, w2, ids, w in layers:
+                fused_experts(x, w13, w2, ids, w, use_triton=use_triton, gemm_parts=parts,
+                              gemm_impl=impl, **kw)  # fmt: skip
+
+        return run
+
+    def gemm_only(parts=1, impl="torch"):
+        gemm = grouped_mm_triton if impl == "triton" else partial(grouped_mm, num_parts=parts)
+
+        def run():
+            h = torch.empty(h_shape, dtype=torch.bfloat16, device=device)
+            for (x, w13, w2, _, _), (xs, offs) in zip(layers, sorted_rows):
+                gemm(xs, w13, offs)
+                gemm(h, w2, offs)
+
+        return run
+
+    def loop_before():
+        for x, w13, w2, ids, w in layers:
+            _loop_experts(x, w13, w2, ids, w, **kw)
+
+    rows = []
+    impls = [("experts", experts(True)), ("gemm", gemm_only()),
+             ("experts-split2", experts(True, 2)), ("gemm-split2", gemm_only(2)),
+             ("experts-triton64", experts(True, impl="triton")),
+             ("gemm-triton64", gemm_only(impl="triton")),
+             ("torch-elementwise", experts(False)), ("loop-before", loop_before)]  # fmt: skip
+    for impl, fn in impls:
+        try:
+            ms = _time_ms(fn, repeats)
+        except Exception as e:  # an experimental row must not hide the others
+            rows.append({"impl": impl, "error": f"{type(e).__name__}: {e}"[:300]})
+            continue
+        tflops = flops / ms / 1e9
+        rows.append({"impl": impl, "flavor": flavor, "layers": num_layers, "tokens": num_tokens,
+                     "ms": round(ms, 3), "tflops": round(tflops, 1),
+                     "pct_peak": round(100 * tflops / PEAK_BF16_TFLOPS, 1)})  # fmt: skip
+    return rows
+
+
+def _loop_experts(x_TD, w13, w2, ids_Tk, weights_Tk, *, act, beta, linear_beta):
+    """The routed experts as computed before the grouped GEMMs (base commit 998277b)."""
+    I = w2.shape[2]
+    out = torch.zeros(x_TD.shape[0], x_TD.shape[1], dtype=torch.float32, device=x_TD.device)
+    flat = ids_Tk.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    token = order // ids_Tk.shape[1]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        sel, tok = order[start : start + n], token[start : start + n]
+        start += n
+        xe = x_TD[tok]
+        g, u = (xe @ w13[e, :I].t()).float(), (xe @ w13[e, I:].t()).float()
+        if act == "situ":
+            up = linear_beta * torch.tanh(u / linear_beta)
+            h = beta * torch.tanh(g / beta) * torch.sigmoid(g) * up
+        else:
+            h = torch.nn.functional.silu(g) * u
+        ye = (h.to(x_TD.dtype) @ w2[e].t()).float() * weights_Tk.reshape(-1)[sel, None]
+        out.index_add_(0, tok, ye)
+    return out
+
+
+def format_moe_table(rows: list[dict]) -> str:
+    r0 = next((r for r in rows if "error" not in r), {"flavor": "?", "layers": "?", "tokens": "?"})
+    lines = [
+        f"routed experts, {r0['flavor']}: {r0['layers']} layers x {r0['tokens']} tokens, bf16; "
+        f"peak {PEAK_BF16_TFLOPS:.0f} TFLOP/s",
+        "impl              |      ms | TFLOP/s | % of peak",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['impl']:17s} | error: {r['error']}")
+            continue
+        lines.append(
+            f"{r['impl']:17s} | {r['ms']:7.2f} | {r['tflops']:7.1f} | {r['pct_peak']:8.1f}%"
+        )
+    return "\n".join(lines)

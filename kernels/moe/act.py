@@ -1,0 +1,74 @@
+"""Fused gated activation: one pass over the gate and up GEMM outputs.
+
+`moe_act`: the experts' h [M, 2 I] holds gate columns [0, I) and up columns [I, 2 I) (w13 =
+[w1; w3]). `gated_act`: separate gate and up tensors (the dense FFN and the shared experts).
+One Triton program computes a BLOCK_I slice of one row in fp32 and stores it in the output
+dtype: SiTU (K3) beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta), or SwiGLU
+silu(g) * u.
+Oracle: `reference.gated_act_reference`. Runs under TRITON_INTERPRET=1 on CPU.
+Shape legend: M rows, I expert width.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(z):
+    # tanh from exp of a non-positive argument (no overflow); libdevice is CUDA-only.
+    e = tl.exp(-2.0 * tl.abs(z))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(z >= 0, t, -t)
+
+
+@triton.jit
+def gated_act_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_out, I, beta, linear_beta,
+                     IS_SITU: tl.constexpr, BLOCK_I: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = col < I
+    g = tl.load(g_ptr + row * stride_g + col, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + col, mask=mask, other=0.0).to(tl.float32)
+    if IS_SITU:
+        y = beta * _tanh(g / beta) * tl.sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
+    else:
+        y = g * tl.sigmoid(g) * u
+    tl.store(out_ptr + row * stride_out + col, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_act(gate_MI: torch.Tensor, up_MI: torch.Tensor, act: str, beta: float = 4.0,
+              linear_beta: float = 25.0) -> torch.Tensor:  # fmt: skip
+    """act(gate, up) of two [..., I] tensors of one dtype (the dense FFN and shared experts,
+    whose gate and up projections are separate GEMMs) -> [..., I] in that dtype."""
+    if gate_MI.shape != up_MI.shape or gate_MI.dtype != up_MI.dtype:
+        raise ValueError(f"gate {tuple(gate_MI.shape)} {gate_MI.dtype} and up "
+                         f"{tuple(up_MI.shape)} {up_MI.dtype} differ")  # fmt: skip
+    I = gate_MI.shape[-1]
+    g, u = gate_MI.reshape(-1, I), up_MI.reshape(-1, I)
+    g = g if g.stride(-1) == 1 else g.contiguous()
+    u = u if u.stride(-1) == 1 else u.contiguous()
+    return _launch(g, u, act, beta, linear_beta).view(gate_MI.shape)
+
+
+def moe_act(h_MF: torch.Tensor, act: str, beta: float = 4.0, linear_beta: float = 25.0):
+    """act(gate, up) of h [M, 2 I] (unit column stride) -> [M, I] in h's dtype."""
+    M, F = h_MF.shape
+    if F % 2 or h_MF.stride(-1) != 1:
+        raise ValueError(f"moe_act needs [M, 2 I] rows with unit column stride, got {h_MF.shape}")
+    return _launch(h_MF[:, : F // 2], h_MF[:, F // 2 :], act, beta, linear_beta)
+
+
+def _launch(g_MI, u_MI, act, beta, linear_beta):
+    if act not in ("situ", "silu"):
+        raise ValueError(f"unknown gated activation {act!r}; known: situ, silu")
+    M, I = g_MI.shape
+    out = torch.empty(M, I, dtype=g_MI.dtype, device=g_MI.device)
+    if M == 0:
+        return out
+    BLOCK_I = min(1024, triton.next_power_of_2(I))
+    grid = (M, triton.cdiv(I, BLOCK_I))
+    gated_act_kernel[grid](g_MI, u_MI, out, g_MI.stride(0), u_MI.stride(0), out.stride(0), I,
+                           float(beta), float(linear_beta), IS_SITU=act == "situ",
+                           BLOCK_I=BLOCK_I)  # fmt: skip
+    return out

@@ -1,0 +1,46 @@
+"""Weighted combine of the experts' rows per token, accumulated in fp32, no atomics.
+
+out[t] = sum_{j < k} valid[t, j] * weights[t, j] * y[slot_pos[t, j]]: each program owns one
+token and a BLOCK_D slice of its row and adds the k terms in slot order, so the result does not
+depend on scheduling (deterministic for a given batch). Invalid slots (another rank's experts)
+are masked out, never multiplied: their rows of y are unwritten memory.
+Oracle: `reference.combine_reference`. Runs under TRITON_INTERPRET=1 on CPU.
+Shape legend: T tokens, k top-k, M = T k sorted rows, D width.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def moe_combine_kernel(y_ptr, pos_ptr, w_ptr, valid_ptr, out_ptr, stride_y, D,
+                       TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        # The flag is loaded as a vector: a scalar mask is refused by the interpreter.
+        ok = tl.load(valid_ptr + t * TOP_K + j + d * 0) != 0
+        pos = tl.load(pos_ptr + t * TOP_K + j)
+        w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
+        y = tl.load(y_ptr + pos * stride_y + d, mask=dmask & ok, other=0.0).to(tl.float32)
+        acc += tl.where(ok, w, 0.0) * y
+    tl.store(out_ptr + t * D + d, acc, mask=dmask)
+
+
+def moe_combine(y_MD, slot_pos_Tk, weights_Tk, valid_Tk) -> torch.Tensor:
+    """fp32 [T, D] from y [M, D] (unit column stride), slot_pos [T, k] int64, weights [T, k],
+    valid [T, k] bool."""
+    T, k = slot_pos_Tk.shape
+    D = y_MD.shape[1]
+    out = torch.empty(T, D, dtype=torch.float32, device=y_MD.device)
+    if T == 0:
+        return out
+    BLOCK_D = min(1024, triton.next_power_of_2(D))
+    grid = (T, triton.cdiv(D, BLOCK_D))
+    moe_combine_kernel[grid](y_MD, slot_pos_Tk.contiguous(), weights_Tk.float().contiguous(),
+                             valid_Tk.contiguous().view(torch.uint8), out, y_MD.stride(0), D,
+                             TOP_K=k, BLOCK_D=BLOCK_D)  # fmt: skip
+    return out

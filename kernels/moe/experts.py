@@ -1,0 +1,58 @@
+"""The routed-expert pass with no host sync: sort slots, gather, two grouped GEMMs, fused
+activation, fp32 combine. The same function serves prefill and decode, the single-device
+model, pipeline stages and expert-parallel ranks (`first_expert` and the local expert count).
+
+Steps: `sort_slots` orders the T k token slots by expert; the slots' input rows are gathered
+([M, D], M = T k); one grouped GEMM with the fused gate-up weights w13 [E, 2 I, D] gives
+[M, 2 I]; `moe_act` gives [M, I]; a grouped GEMM with w2 [E, D, I] gives [M, D]; `moe_combine`
+sums each token's k rows times its router weights in fp32. With `use_triton=False` the two
+elementwise steps run as plain torch (same math), which is the CPU path of the model.
+Shape legend: T tokens, D input width, I expert width, E local experts, k top-k, M = T k.
+"""
+
+from functools import partial
+
+import torch
+
+from k3kernels.moe.grouped_gemm import grouped_mm
+from k3kernels.moe.permute import sort_slots
+from k3kernels.moe.reference import combine_reference, gated_act_reference
+
+
+def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: float = 4.0,
+                  linear_beta: float = 25.0, first_expert: int = 0,
+                  use_triton: bool | None = None, gemm_parts: int = 1,
+                  gemm_impl: str = "torch") -> torch.Tensor:  # fmt: skip
+    """sum_j weights[t, j] * w2[e] act(w13[e] x[t]) over the slots j whose expert
+    e = ids[t, j] - first_expert is held here (0 <= e < E); fp32 [T, D].
+
+    x [T, D] and the weights share a dtype; ids [T, k] global expert ids; weights [T, k].
+    use_triton: the fused Triton activation and combine (default: on CUDA).
+    gemm_parts: `grouped_mm`'s num_parts (an experiment on tile sizes; see grouped_gemm.py).
+    gemm_impl: "torch" (`torch._grouped_mm`) or "triton" (`grouped_gemm_triton`, 64-row tiles;
+    an experiment, not measured on a GPU yet).
+    """
+    if gemm_impl == "triton":
+        from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton as gemm
+    elif gemm_impl == "torch":
+        gemm = partial(grouped_mm, num_parts=gemm_parts)
+    else:
+        raise ValueError(f"unknown gemm_impl {gemm_impl!r}; known: torch, triton")
+    if use_triton is None:
+        use_triton = x_TD.is_cuda
+    T = x_TD.shape[0]
+    if T == 0:
+        return torch.zeros(0, w2_EDI.shape[1], dtype=torch.float32, device=x_TD.device)
+    order = sort_slots(ids_Tk, w13_EFD.shape[0], first_expert)
+    x_MD = x_TD.index_select(0, order.token_M)
+    h_MF = gemm(x_MD, w13_EFD, order.offs_E)
+    if use_triton:
+        from k3kernels.moe.act import moe_act
+        from k3kernels.moe.combine import moe_combine
+
+        h_MI = moe_act(h_MF, act, beta, linear_beta)
+        y_MD = gemm(h_MI, w2_EDI, order.offs_E)
+        return moe_combine(y_MD, order.slot_pos_Tk, weights_Tk, order.valid_Tk)
+    h_MI = gated_act_reference(h_MF, act, beta, linear_beta).to(h_MF.dtype)
+    y_MD = gemm(h_MI, w2_EDI, order.offs_E)
+    return combine_reference(y_MD, order.slot_pos_Tk, weights_Tk, order.valid_Tk)

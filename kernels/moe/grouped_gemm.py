@@ -1,0 +1,68 @@
+"""Grouped GEMM over experts: rows [offs[e-1], offs[e]) of x times expert e's weight.
+
+`torch._grouped_mm` (CUTLASS on Hopper for bf16; an ATen loop on CPU) takes the group ends on
+the device, so nothing waits for the host. Its constraints (torch 2.11 to 2.13): operands of
+one dtype, int32 `offs`, row strides a multiple of 16 bytes, 16-byte aligned data on CUDA; the
+CUDA kernel is bf16 on sm90+ (other dtypes take a fallback that copies `offs` to the host).
+Where those do not hold (fp32 on CUDA, old torch, odd widths), a plain loop over the groups
+runs instead; it reads the group ends on the host (one sync).
+Rows after offs[-1] are left unwritten (uninitialized): callers must not read them.
+
+Tile size: torch's CUTLASS dispatch picks 128 x 256 tiles when rows / groups > 128 and 64 x 128
+tiles otherwise. K3-slice prefill has 16,384 slots over 112 experts, ~146 rows per group, so each
+group fills one 128-row tile and 18/128 of a second: 57% of the computed rows are useful,
+consistent with the H200's 378 TFLOP/s for the GEMMs alone (0.57 x ~660). `num_parts` > 1
+cuts the rows into equal parts, each its own call with clipped group ends (still no sync), so
+that each call has fewer rows per group and gets the 64-row tiles (3 x 64 = 192 rows per
+~146-row group: 76%). Not yet measured on a GPU: `k3batch bench moe` has rows for it; the
+default stays 1. `grouped_gemm_triton` is the other way out (64-row tiles in Triton).
+Shape legend: M sorted rows, K input width, N output width, E experts.
+"""
+
+import torch
+
+
+def grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, *,
+               num_parts: int = 1) -> torch.Tensor:  # fmt: skip
+    """out[r] = x[r] @ w[e].T for the rows r of group e. x [M, K], w [E, N, K] (nn.Linear
+    layout, any strides with a unit last stride), offs [E] int32 cumulative group ends.
+    num_parts: row parts run as separate calls (see module doc). Returns [M, N] in x's dtype."""
+    M = x_MK.shape[0]
+    if num_parts > 1 and M >= num_parts:
+        bounds = [M * i // num_parts for i in range(num_parts + 1)]
+        parts = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            part_offs = offs_E.clamp(min=lo, max=hi) - lo  # this part's rows of each group
+            parts.append(grouped_mm(x_MK[lo:hi], w_ENK, part_offs.to(torch.int32)))
+        return torch.cat(parts)
+    if _has_fast_path(x_MK, w_ENK):
+        return torch._grouped_mm(x_MK, w_ENK.transpose(-2, -1), offs=offs_E)
+    return grouped_mm_loop(x_MK, w_ENK, offs_E)
+
+
+def grouped_mm_loop(x_MK, w_ENK, offs_E):
+    """The same product as a loop over groups (reads offs on the host)."""
+    out = torch.empty(x_MK.shape[0], w_ENK.shape[1], dtype=x_MK.dtype, device=x_MK.device)
+    start = 0
+    for e, end in enumerate(offs_E.tolist()):
+        if end > start:
+            torch.mm(x_MK[start:end], w_ENK[e].t(), out=out[start:end])
+        start = end
+    return out
+
+
+def _has_fast_path(x_MK, w_ENK) -> bool:
+    if not hasattr(torch, "_grouped_mm") or x_MK.dtype != w_ENK.dtype:
+        return False
+    align = 16 // x_MK.element_size()
+    if x_MK.stride(-1) != 1 or w_ENK.stride(-1) != 1:
+        return False
+    if x_MK.stride(0) % align or w_ENK.stride(1) % align or w_ENK.stride(0) % align:
+        return False
+    if x_MK.device.type == "cpu":
+        return True
+    if x_MK.device.type != "cuda" or x_MK.dtype != torch.bfloat16:
+        return False
+    if x_MK.data_ptr() % 16 or w_ENK.data_ptr() % 16:
+        return False
+    return torch.cuda.get_device_capability(x_MK.device) >= (9, 0)

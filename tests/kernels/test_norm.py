@@ -1,0 +1,73 @@
+"""The fused RMSNorm kernel (`k3kernels.norm.rms_norm`) against its torch reference.
+
+Rows drawn in fp32 with a spread of scales, cast to the tested dtype; the reference reads the
+cast values in fp32 (fp32 output, so the kernel's own two roundings are what is measured).
+Tolerances: `k3kernels.norm.TOLERANCES`. CPU (default suite): the kernel under
+TRITON_INTERPRET=1 in a subprocess (this file run as a script): D 40 (one block), D 40 with
+16-wide blocks (the two-pass path), a [2, 3, D] input and a column-sliced (strided) input.
+GPU (`gpu`): K3 widths (7168 hidden, 3584 latent, 512 kv latent) at 8,192 rows.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from k3kernels.norm import TOLERANCES
+from k3kernels.norm.reference import rms_norm_reference
+
+from k3batch.testing import assert_close
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _check_norm(shape, dtype, device, block_d=8192, sliced=False):
+    from k3kernels.norm.rms_norm import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    D = shape[-1]
+    x = torch.randn(*shape[:-1], D + 8 if sliced else D, generator=g)
+    x = x * torch.rand(*shape[:-1], 1, generator=g).mul(4).add(0.1)
+    x = x[..., :D] if sliced else x
+    w = 1 + 0.1 * torch.randn(D, generator=g)
+    xc, wc = x.to(device=device, dtype=dtype), w.to(device=device, dtype=dtype)
+    ref = rms_norm_reference(xc.float(), wc.float(), 1e-5)
+    out = rms_norm(xc, wc, 1e-5, block_d=block_d)
+    assert out.dtype == dtype and out.shape == tuple(shape)
+    rel, mx = TOLERANCES[("rms_norm", dtype)]
+    return assert_close(f"rms_norm_{list(shape)}", ref, out, rel_rms=rel, max_abs=mx)
+
+
+def test_rms_norm_kernel_interpreted_on_cpu():
+    """Runs this file as a script under TRITON_INTERPRET=1 (see `_interpreted_checks`)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, __file__], env=env, cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "interpreted checks passed" in done.stdout
+
+
+def _interpreted_checks():
+    for dtype in DTYPES.values():
+        _check_norm((5, 40), dtype, "cpu")
+        _check_norm((5, 40), dtype, "cpu", block_d=16)
+        _check_norm((2, 3, 40), dtype, "cpu")
+        _check_norm((5, 40), dtype, "cpu", sliced=True)
+    print("interpreted checks passed")
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("D", [7168, 3584, 512])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rms_norm_matches_reference_gpu(D, dtype):
+    _check_norm((8192, D), dtype, "cuda")
+    _check_norm((1000, D), dtype, "cuda", block_d=1024)  # two-pass path
+
+
+if __name__ == "__main__":
+    _interpreted_checks()
