@@ -5,8 +5,8 @@ The Triton modules import triton; this package and `reference` do not.
 
 `TOLERANCES[(tensor_name, dtype)] = (rel_rms, max_abs or None)` bounds a kernel against the
 fp32 reference fed the same (cast) inputs; rel_rms = rms(out - ref) / rms(ref). Names:
-"decode_o" / "decode_lse", "merge_o" / "merge_lse", "prefill_o". fp32 entries assume exact
-fp32 products (TRITON_F32_DEFAULT=ieee on the GPU, or the CPU interpreter).
+"decode_o" / "decode_lse", "merge_o" / "merge_lse", "prefill_o". With fp32 inputs the kernels
+ask tl.dot for exact fp32 products (input_precision="ieee"), not TF32.
 """
 
 import torch

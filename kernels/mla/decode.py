@@ -48,6 +48,7 @@ def mla_decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (exact products), else "tf32" (unused)
 ):
     hb = tl.program_id(0)
     split = tl.program_id(1)
@@ -80,20 +81,24 @@ def mla_decode_kernel(
         k_rope = tl.load(
             tok[:, None] + L + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0
         )
-        s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_rope, tl.trans(k_rope))  # [BLOCK_H, BLOCK_N]
+        s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION) + tl.dot(
+            q_rope, tl.trans(k_rope), input_precision=PRECISION
+        )  # [BLOCK_H, BLOCK_N]
         s = tl.where(ok[None, :], s * qk_scale, -float("inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
         m = m_new
 
     empty = denom == 0.0
     out = acc / tl.where(empty, 1.0, denom)[:, None]
-    lse = tl.where(empty, -float("inf"), (m + tl.log2(tl.where(empty, 1.0, denom))) * 0.6931471805599453)
+    lse = (m + tl.log2(tl.where(empty, 1.0, denom))) * 0.6931471805599453  # natural log
+    lse = tl.where(empty, -float("inf"), lse)
     o_ptr = part_ptr + split * stride_om + b * stride_ob + heads[:, None] * stride_oh
-    tl.store(o_ptr + offs_l[None, :], out.to(part_ptr.dtype.element_ty), mask=h_ok[:, None] & l_ok[None, :])
+    o_mask = h_ok[:, None] & l_ok[None, :]
+    tl.store(o_ptr + offs_l[None, :], out.to(part_ptr.dtype.element_ty), mask=o_mask)
     tl.store(lse_ptr + split * stride_lm + b * stride_lb + heads, lse, mask=h_ok)
 
 
@@ -101,8 +106,21 @@ def mla_decode_kernel(
 BLOCK_H, BLOCK_N, NUM_WARPS, NUM_STAGES = 16, 32, 4, 2
 
 
-def num_splits_for(num_seqs: int, num_heads: int, max_len: int, *, block_h: int = BLOCK_H,
-                   num_sms: int = 132, max_splits: int = 16, min_tokens: int = 256) -> int:  # fmt: skip
+def _precision(dtype) -> str:
+    """fp32 runs as fp32 (the fp32 path is the exactness check; tf32 would cost ~1e-3)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def num_splits_for(
+    num_seqs: int,
+    num_heads: int,
+    max_len: int,
+    *,
+    block_h: int = BLOCK_H,
+    num_sms: int = 132,
+    max_splits: int = 16,
+    min_tokens: int = 256,
+) -> int:
     """Splits per sequence so that the grid fills about two waves of the device's SMs, each
     split keeping at least min_tokens tokens. Host-side integers only (no device sync)."""
     programs = num_seqs * triton.cdiv(num_heads, block_h)
@@ -160,7 +178,7 @@ def mla_decode(
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
             L=L, R=R, NUM_SPLITS=M, BLOCK_H=block_h, BLOCK_N=block_n,
             BLOCK_L=triton.next_power_of_2(L), BLOCK_R=max(16, triton.next_power_of_2(R)),
-            num_warps=num_warps, num_stages=num_stages,
+            PRECISION=_precision(q_BHC.dtype), num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     if M == 1:
         return part[0], lse[0]

@@ -34,7 +34,7 @@ def lse_merge_kernel(
     top = tl.where(top == -float("inf"), 0.0, top)
     w = tl.exp2(lse2 - top)  # [BLOCK_N], 0 for empty partials
     total = tl.sum(w, axis=0)
-    inv = tl.where(total > 0, 1.0 / total, 0.0)
+    inv = 1.0 / tl.maximum(total, 1e-30)  # all-empty rows: w = 0, so out = 0
     for l0 in range(0, L, BLOCK_L):
         offs = l0 + tl.arange(0, BLOCK_L)
         mask = (n[:, None] < N) & (offs[None, :] < L)
@@ -43,7 +43,8 @@ def lse_merge_kernel(
         ).to(tl.float32)
         acc = tl.sum(w[:, None] * p, axis=0) * inv
         tl.store(out_ptr + r * stride_or + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < L)
-    tl.store(out_lse_ptr + r, (top + tl.log2(total)) * 0.6931471805599453)
+    lse_out = (top + tl.log2(tl.maximum(total, 1e-30))) * 0.6931471805599453
+    tl.store(out_lse_ptr + r, tl.where(total > 0, lse_out, -float("inf")))
 
 
 def merge_lse(partials_NRL, lses_NR, *, out_dtype=None):

@@ -20,7 +20,8 @@ import triton.language as tl
 def _attend_block(q_nope, q_rope, acc, m, denom, kn_base, kr_base, v_base, n0, pos_q, k_len,
                   stride_kn, stride_kr, stride_v, offs_dn, offs_r, offs_dv, qk_scale,
                   DN: tl.constexpr, R: tl.constexpr, DV: tl.constexpr,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  PRECISION: tl.constexpr):  # fmt: skip
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < k_len
     kn = tl.load(
@@ -31,7 +32,9 @@ def _attend_block(q_nope, q_rope, acc, m, denom, kn_base, kr_base, v_base, n0, p
         kr_base + offs_n[:, None] * stride_kr + offs_r[None, :],
         mask=n_ok[:, None] & (offs_r[None, :] < R), other=0.0,
     )  # fmt: skip
-    s = tl.dot(q_nope, tl.trans(kn)) + tl.dot(q_rope, tl.trans(kr))  # [BLOCK_M, BLOCK_N]
+    s = tl.dot(q_nope, tl.trans(kn), input_precision=PRECISION) + tl.dot(
+        q_rope, tl.trans(kr), input_precision=PRECISION
+    )  # [BLOCK_M, BLOCK_N]
     s = s * qk_scale
     if MASKED:
         keep = (offs_n[None, :] <= pos_q[:, None]) & n_ok[None, :]
@@ -44,7 +47,7 @@ def _attend_block(q_nope, q_rope, acc, m, denom, kn_base, kr_base, v_base, n0, p
         v_base + offs_n[:, None] * stride_v + offs_dv[None, :],
         mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
     )  # fmt: skip
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, denom
 
 
@@ -56,6 +59,7 @@ def mla_prefill_kernel(
     DN: tl.constexpr, R: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (exact products), else "tf32" (unused)
 ):  # fmt: skip
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2)
@@ -75,8 +79,12 @@ def mla_prefill_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
 
     q_base = q_ptr + (q_start + offs_m[:, None]) * stride_qt + h * stride_qh
-    q_nope = tl.load(q_base + offs_dn[None, :], mask=m_ok[:, None] & (offs_dn[None, :] < DN), other=0.0)
-    q_rope = tl.load(q_base + DN + offs_r[None, :], mask=m_ok[:, None] & (offs_r[None, :] < R), other=0.0)
+    q_nope = tl.load(
+        q_base + offs_dn[None, :], mask=m_ok[:, None] & (offs_dn[None, :] < DN), other=0.0
+    )
+    q_rope = tl.load(
+        q_base + DN + offs_r[None, :], mask=m_ok[:, None] & (offs_r[None, :] < R), other=0.0
+    )
     kn_base = kn_ptr + k_start * stride_knt + h * stride_knh
     kr_base = kr_ptr + k_start * stride_krt
     v_base = v_ptr + k_start * stride_vt + h * stride_vh
@@ -91,17 +99,18 @@ def mla_prefill_kernel(
         acc, m, denom = _attend_block(
             q_nope, q_rope, acc, m, denom, kn_base, kr_base, v_base, n0, pos_q, k_len,
             stride_knt, stride_krt, stride_vt, offs_dn, offs_r, offs_dv, qk_scale,
-            DN, R, DV, BLOCK_N, False,
+            DN, R, DV, BLOCK_N, False, PRECISION,
         )  # fmt: skip
     for n0 in range(full_end, end, BLOCK_N):
         acc, m, denom = _attend_block(
             q_nope, q_rope, acc, m, denom, kn_base, kr_base, v_base, n0, pos_q, k_len,
             stride_knt, stride_krt, stride_vt, offs_dn, offs_r, offs_dv, qk_scale,
-            DN, R, DV, BLOCK_N, True,
+            DN, R, DV, BLOCK_N, True, PRECISION,
         )  # fmt: skip
     out = acc / denom[:, None]
     o_base = o_ptr + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh
-    tl.store(o_base + offs_dv[None, :], out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < DV))
+    o_mask = m_ok[:, None] & (offs_dv[None, :] < DV)
+    tl.store(o_base + offs_dv[None, :], out.to(o_ptr.dtype.element_ty), mask=o_mask)
 
 
 # Launch settings (swept on the GPU by `k3batch bench mla-prefill`).
@@ -153,6 +162,7 @@ def mla_prefill(
         DN=Dn, R=R, DV=Dv, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_DN=max(16, triton.next_power_of_2(Dn)), BLOCK_R=max(16, triton.next_power_of_2(R)),
         BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
+        PRECISION="ieee" if q_THQ.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return o
