@@ -48,20 +48,21 @@ def run_mla_decode_bench(*, batch: int = 64, context_len: int = 8192, heads: int
                                         page_size=page_size)  # fmt: skip
     scale = (128 + rope) ** -0.5
     nbytes = batch * context_len * (kv_lora + rope) * pool.dtype.itemsize
-    base = dict(block_h=K.BLOCK_H, block_n=K.BLOCK_N, num_warps=K.NUM_WARPS,
-                num_stages=K.NUM_STAGES)  # fmt: skip
-    base["num_splits"] = K.num_splits_for(batch, heads, context_len, block_h=K.BLOCK_H)
+    base = K.launch_config(heads) | {"num_splits": K.num_splits_for(batch, heads, context_len)}
 
     def time_cfg(cfg):
+        launch = {k: v for k, v in cfg.items() if k != "num_splits"}
+
         def fn():
-            return K.mla_decode(q, pool, rows, lens, kv_lora=kv_lora, scale=scale, **cfg)
+            return K.mla_decode(q, pool, rows, lens, kv_lora=kv_lora, scale=scale,
+                                num_splits=cfg["num_splits"], config=launch)  # fmt: skip
 
         return _median_ms(fn)
 
     default_ms = time_cfg(base)
     tried = []
     if sweep:
-        splits = sorted({base["num_splits"], 2 * base["num_splits"]})
+        splits = sorted({1, base["num_splits"], 2 * base["num_splits"]})
         for bh, bn, nw, ns, m in itertools.product((16, 32, 64), (32, 64), (4, 8), (1, 2), splits):
             cfg = dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, num_splits=m)
             try:

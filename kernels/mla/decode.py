@@ -16,6 +16,7 @@ N tokens per page, M splits.
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from k3kernels.mla.merge import merge_lse
 
@@ -102,8 +103,21 @@ def mla_decode_kernel(
     tl.store(lse_ptr + split * stride_lm + b * stride_lb + heads, lse, mask=h_ok)
 
 
-# Launch settings (the GPU benchmark sweeps them: `k3batch bench mla-decode --sweep`).
-BLOCK_H, BLOCK_N, NUM_WARPS, NUM_STAGES = 16, 32, 4, 2
+# Launch settings. MEASURED ran on one H200 (torch 2.11, triton 3.6) at batch 64 x 8K, H=96,
+# one split: 1.94 ms, 0.31 TB/s on the latent bytes (7% of the copy bandwidth); each of the
+# H / 16 head blocks streams every latent row again (6x the bytes through L2) and 384
+# programs make 1.5 waves. `launch_config` therefore takes 32 heads per program above 16
+# heads (half the L2 traffic, 8 warps for the [32, L] fp32 accumulator) and `num_splits_for`
+# fills ~4 waves; that choice is NOT measured yet (`k3batch bench mla-decode --sweep`).
+# A launch the device refuses (out of resources) falls back to MEASURED.
+MEASURED = dict(block_h=16, block_n=32, num_warps=4, num_stages=2)
+
+
+def launch_config(num_heads: int) -> dict:
+    """{block_h, block_n, num_warps, num_stages} for num_heads query heads per sequence."""
+    if num_heads <= 16:  # TP / DCP ranks: one head block
+        return dict(MEASURED)
+    return dict(block_h=32, block_n=32, num_warps=8, num_stages=2)
 
 
 def _precision(dtype) -> str:
@@ -116,15 +130,15 @@ def num_splits_for(
     num_heads: int,
     max_len: int,
     *,
-    block_h: int = BLOCK_H,
     num_sms: int = 132,
     max_splits: int = 16,
     min_tokens: int = 256,
 ) -> int:
-    """Splits per sequence so that the grid fills about two waves of the device's SMs, each
-    split keeping at least min_tokens tokens. Host-side integers only (no device sync)."""
-    programs = num_seqs * triton.cdiv(num_heads, block_h)
-    want = triton.cdiv(2 * num_sms, max(programs, 1))
+    """Splits per sequence so that the grid holds about four programs per SM (load balance
+    across waves; the merge costs 2 x splits x B x H x L x 4 bytes), each split keeping at
+    least min_tokens tokens. Host-side integers only (no device sync: graph-safe)."""
+    programs = num_seqs * triton.cdiv(num_heads, launch_config(num_heads)["block_h"])
+    want = triton.cdiv(4 * num_sms, max(programs, 1))
     return max(1, min(want, max_splits, triton.cdiv(max_len, min_tokens)))
 
 
@@ -138,10 +152,7 @@ def mla_decode(
     scale: float,
     num_splits: int = 1,
     out_dtype=None,
-    block_h: int = BLOCK_H,
-    block_n: int = BLOCK_N,
-    num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
+    config: dict | None = None,
 ):
     """Absorbed attention of each sequence's H query heads over its first seq_lens[b] cached
     tokens, read in place from the pages page_rows[b] (row of the pool per page).
@@ -149,6 +160,7 @@ def mla_decode(
     q_BHC: [q_lat | q_rope] [B, H, L + R] (the model dtype); pool_PNC: [P, page_size, L + R]
     (last dim contiguous; the pool's dtype must be q's); page_rows_BP: [B, >= pages] int;
     seq_lens_B: [B] int32/int64 device tensor (0 allowed: out 0, lse -inf).
+    config: {block_h, block_n, num_warps, num_stages} (default `launch_config(H)`).
     Returns (out [B, H, L] in out_dtype (default q's), lse [B, H] fp32, natural log).
     """
     B, H, C = q_BHC.shape
@@ -168,18 +180,28 @@ def mla_decode(
     else:
         part = torch.empty(M, B, H, L, device=dev, dtype=torch.float32)
     lse = torch.empty(M, B, H, device=dev, dtype=torch.float32)
-    grid = (triton.cdiv(H, block_h), M, B)
     if B:
-        mla_decode_kernel[grid](
-            q_BHC, pool_PNC, page_rows_BP, seq_lens_B, part, lse,
-            H, pool_PNC.shape[1], scale * 1.4426950408889634,
-            q_BHC.stride(0), q_BHC.stride(1), pool_PNC.stride(0), pool_PNC.stride(1),
-            page_rows_BP.stride(0),
-            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-            L=L, R=R, NUM_SPLITS=M, BLOCK_H=block_h, BLOCK_N=block_n,
-            BLOCK_L=triton.next_power_of_2(L), BLOCK_R=max(16, triton.next_power_of_2(R)),
-            PRECISION=_precision(q_BHC.dtype), num_warps=num_warps, num_stages=num_stages,
-        )  # fmt: skip
+        cfg = config or launch_config(H)
+        args = (q_BHC, pool_PNC, page_rows_BP, seq_lens_B, part, lse, H, L, R, M,
+                scale * 1.4426950408889634)  # fmt: skip
+        try:
+            _launch(*args, **cfg)
+        except OutOfResources:
+            if cfg == MEASURED:
+                raise
+            _launch(*args, **MEASURED)
     if M == 1:
         return part[0], lse[0]
     return merge_lse(part, lse, out_dtype=out_dtype)
+
+
+def _launch(q, pool, rows, lens, part, lse, H, L, R, M, qk_scale, *, block_h, block_n,
+            num_warps, num_stages):  # fmt: skip
+    mla_decode_kernel[(triton.cdiv(H, block_h), M, q.shape[0])](
+        q, pool, rows, lens, part, lse, H, pool.shape[1], qk_scale,
+        q.stride(0), q.stride(1), pool.stride(0), pool.stride(1), rows.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        L=L, R=R, NUM_SPLITS=M, BLOCK_H=block_h, BLOCK_N=block_n,
+        BLOCK_L=triton.next_power_of_2(L), BLOCK_R=max(16, triton.next_power_of_2(R)),
+        PRECISION=_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip

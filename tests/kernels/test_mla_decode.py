@@ -45,6 +45,7 @@ CPU_CASES = [
     pytest.param([1, 6, 17, 9], 2, 1, id="B4-H2-ragged-split1"),
     pytest.param([1, 6, 17, 9], 2, 3, id="B4-H2-ragged-split3"),
     pytest.param([23, 2, 0], 5, 4, id="B3-H5-empty-seq-split4"),
+    pytest.param([3, 30], 20, 2, id="B2-H20-32-head-blocks-split2"),  # launch_config(H > 16)
 ]
 
 
@@ -112,9 +113,10 @@ def test_merge_kernel_matches_reference_merge():
 
 
 def test_num_splits_fills_the_device_without_tiny_splits():
-    assert num_splits_for(64, 96, 8192) == 1  # 384 programs: enough already
-    assert num_splits_for(1, 96, 8192) == 16  # 6 programs: split the sequence
+    assert num_splits_for(64, 96, 8192) == 3  # 192 programs of 32 heads -> ~4 per SM
+    assert num_splits_for(1, 96, 8192) == 16  # 3 programs: split the sequence (at most 16)
     assert num_splits_for(1, 96, 300) == 2  # but keep >= 256 tokens per split
+    assert num_splits_for(256, 96, 8192) == 1
 
 
 # ---- GPU: K3 shapes ---------------------------------------------------------------------------
