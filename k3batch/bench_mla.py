@@ -40,7 +40,8 @@ def decode_inputs(batch: int, context_len: int, heads: int, *, kv_lora: int = 51
 
 
 def run_mla_decode_bench(*, batch: int = 64, context_len: int = 8192, heads: int = 96,
-                         page_size: int = 64, sweep: bool = False, on_row=None) -> dict:  # fmt: skip
+                         page_size: int = 64, sweep: bool = False,
+                         on_row=None) -> dict:  # fmt: skip
     from k3kernels.mla import decode as K
 
     kv_lora, rope = 512, 64

@@ -110,6 +110,10 @@ def test_merge_kernel_matches_reference_merge():
     assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(lse_ref))
     fin = torch.isfinite(lse_ref)
     _check("merge_lse", torch.float32, lse_ref[fin], lse.cpu()[fin])
+    # as the DCP step calls it: strided views into one packed [N, B, H, L + 1] tensor
+    packed = torch.cat([parts, lses[..., None]], dim=-1).to(DEVICE)
+    o2, lse2 = merge_lse(packed[..., :40], packed[..., 40])
+    assert torch.equal(o2.cpu(), o.cpu()) and torch.equal(lse2.cpu(), lse.cpu())
 
 
 def test_num_splits_fills_the_device_without_tiny_splits():
