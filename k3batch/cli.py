@@ -283,6 +283,50 @@ def bench_comm(flavor, gpus, p2p_gbps, busbw_gbps):
                f" -> {ms['pp']:.2f} ms at {p2p_gbps:g} GB/s point to point")  # fmt: skip
 
 
+@bench.command("mla-decode")
+@click.option("--batch", default=64, show_default=True, type=int)
+@click.option("--context-len", default=8192, show_default=True, type=int)
+@click.option("--heads", default=96, show_default=True, type=int, help="Query heads (96: K3).")
+@click.option("--page-size", default=64, show_default=True, type=int)
+@click.option("--sweep", is_flag=True, help="Time the launch configurations; report the best.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def bench_mla_decode(batch, context_len, heads, page_size, sweep, json_path):
+    """Paged MLA decode kernel: bandwidth on the latent bytes read vs the copy bandwidth."""
+    import json
+
+    from k3batch.bench_mla import format_result, run_mla_decode_bench
+
+    r = run_mla_decode_bench(batch=batch, context_len=context_len, heads=heads,
+                             page_size=page_size, sweep=sweep,
+                             on_row=lambda row: click.echo(json.dumps(row)))  # fmt: skip
+    click.echo(format_result("mla-decode", r))
+    if json_path:
+        with open(json_path, "a") as f:
+            f.write(json.dumps(r) + "\n")
+
+
+@bench.command("mla-prefill")
+@click.option("--seq-lens", default="8192", show_default=True, help="New tokens per sequence.")
+@click.option("--cached-lens", default=None, help="Cached prefix per sequence (default 0).")
+@click.option("--heads", default=96, show_default=True, type=int)
+@click.option("--sweep", is_flag=True, help="Time the launch configurations; report the best.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def bench_mla_prefill(seq_lens, cached_lens, heads, sweep, json_path):
+    """MLA prefill flash kernel: useful TFLOP/s vs the bf16 GEMM peak."""
+    import json
+
+    from k3batch.bench_mla import format_result, run_mla_prefill_bench
+
+    lens = [int(n) for n in seq_lens.split(",")]
+    cached = [int(n) for n in cached_lens.split(",")] if cached_lens else None
+    r = run_mla_prefill_bench(seq_lens=lens, cached_lens=cached, heads=heads, sweep=sweep,
+                              on_row=lambda row: click.echo(json.dumps(row)))
+    click.echo(format_result("mla-prefill", r))
+    if json_path:
+        with open(json_path, "a") as f:
+            f.write(json.dumps(r) + "\n")
+
+
 @main.command("plan")
 @click.option("--flavor", default="k3", show_default=True, help="Named config (k3: MXFP4 experts).")
 @click.option("--model", "model_dir", default=None, type=click.Path(exists=True, file_okay=False),

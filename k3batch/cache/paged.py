@@ -76,9 +76,11 @@ class PagedCache:
         return (self.num_pages - 1 - t).to(self.arena.device)
 
     def bind(self, batch) -> None:
-        """Set batch.page_rows [B, max pages] (padded) from batch.page_tables."""
+        """Set batch.page_rows [B, max pages] (padded) from batch.page_tables, and
+        batch.mla_pages to this cache's MLA page views (the model reads pages only there)."""
         if batch.page_tables is None or not self.mla_latent:
             return
+        batch.mla_pages = self.mla_latent
         width = max(1, max(len(t) for t in batch.page_tables))
         padded = [list(t) + [0] * (width - len(t)) for t in batch.page_tables]
         batch.page_rows = self.rows(padded)

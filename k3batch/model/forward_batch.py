@@ -4,7 +4,9 @@ Tokens of several sequences are packed along one axis in the order of `seq_lens`
 with `cached_len == 0` starts from an empty state whatever its KDA block holds. Cache
 addresses are indices in the device's arena (`cache/arena.py`): a KDA block per sequence and a
 table of MLA page numbers per sequence (page i holds tokens i*page_size .. of the sequence;
-under DCP, of the rank's stripe). The cache turns page numbers into rows (`page_rows`).
+under DCP, of the rank's stripe). The cache binds its views to the batch before the forward
+(`PagedCache.bind`): `page_rows` turns page numbers into rows of the page views and `mla_pages`
+holds those views, so the model reads and writes pages without importing the cache.
 """
 
 from dataclasses import dataclass
@@ -21,6 +23,8 @@ class ForwardBatch:
     pinned_routes: dict[int, torch.Tensor] | None = None  # layer_idx -> [T, top_k] expert ids
     routes_out: dict[int, torch.Tensor] | None = None  # filled: layer_idx -> [T, top_k] ids
     page_rows: torch.Tensor | None = None  # set by PagedCache.bind: [B, max pages] view rows
+    # set by PagedCache.bind: MLA layer_idx -> its page view [pages, page_size, kv_lora + rope]
+    mla_pages: dict[int, torch.Tensor] | None = None
 
     def __post_init__(self):
         if len(self.seq_lens) != len(self.cached_lens):

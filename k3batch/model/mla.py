@@ -3,21 +3,24 @@ the cached latent for decode.
 
 Cached per token: [c_kv normalized (kv_lora) | k^R (rope dims, not normalized, shared by heads)].
 Shape legend: T packed tokens, D hidden, H heads, L latent (kv_lora), R rope dims, Dn nope dims,
-Dv value dims, S cached tokens.
+Dv value dims, S cached tokens, C = L + R, P pages.
+Attention runs through `k3kernels.mla` (Triton) on CUDA and its fp32 torch reference
+elsewhere (`backend`: "auto", "triton" or "torch"). The cache pages come bound to the batch
+(`ForwardBatch.mla_pages`, `page_rows`): this module does not import the cache.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from k3batch.cache.paged import load_tokens, store_tokens
 from k3batch.model.layers import RMSNorm, linear
+from k3kernels.mla import reference as mla_ref
 
 
 class KimiMLAAttention(nn.Module):
     def __init__(self, config, layer_idx: int, dtype=None, device=None):
         super().__init__()
         self.layer_idx = layer_idx
+        self.backend = "auto"  # "triton": the kernels (CUDA, or CPU under TRITON_INTERPRET=1)
         D, H = config.hidden_size, config.num_attention_heads
         self.num_heads = H
         self.nope, self.rope, self.v_dim = (
@@ -54,95 +57,168 @@ class KimiMLAAttention(nn.Module):
         return torch.cat([self.kv_a_layernorm(c), k_rope], dim=-1)
 
     def forward(self, x_TD, batch, cache=None):
+        """cache is unused here: the MLA pages come bound to the batch (batch.mla_pages)."""
         q_THQ = self._query(x_TD)
         latent_TC = self._latent(x_TD)
         if batch.is_decode:
-            ctx_THV = self._decode(q_THQ, latent_TC, batch, cache)
+            ctx_THV = self._decode(q_THQ, latent_TC, batch)
         else:
-            ctx_THV = self._prefill(q_THQ, latent_TC, batch, cache)
+            ctx_THV = self._prefill(q_THQ, latent_TC, batch)
         ctx = ctx_THV.reshape(x_TD.shape[0], -1)
         if hasattr(self, "g_proj"):
             ctx = ctx * torch.sigmoid(self.g_proj(x_TD))  # the gate reads the layer input
         return self.o_proj(ctx)
 
-    def _prefill(self, q_THQ, latent_TC, batch, cache):
-        """Expanded attention per sequence over its cached tokens plus the new ones."""
-        out = []
-        for n, (start, end) in enumerate(zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:])):
-            new = latent_TC[start:end]
-            cached = batch.cached_lens[n]
-            if cache is not None:
-                pool, rows = cache.mla_latent[self.layer_idx], batch.page_rows[n]
-                total = cached + end - start
-                if total > len(batch.page_tables[n]) * pool.shape[1]:
-                    raise ValueError(
-                        f"sequence of {total} tokens exceeds its {len(batch.page_tables[n])} "
-                        f"pages of {pool.shape[1]} tokens"
-                    )
-                store_tokens(pool, rows, cached, new)
-                full = load_tokens(pool, rows[None], total)[0]
-            else:
-                assert cached == 0, "a cached prefix needs a cache"
-                full = new
-            out.append(self.attend_expanded(q_THQ[start:end], full, cached))
-        return torch.cat(out)
+    def uses_kernels(self, t) -> bool:
+        return self.backend == "triton" or (self.backend == "auto" and t.is_cuda)
 
-    def attend_expanded(self, q_THQ, latent_SC, offset: int):
-        """Causal attention of T queries at positions offset.. over S = offset + T latents,
-        with per-head keys and values expanded through kv_b_proj. fp32 softmax."""
-        T, S, H = q_THQ.shape[0], latent_SC.shape[0], self.num_heads
+    # ---- absorbed weights: views of kv_b_proj in the model dtype (no copy, no cast) ----------
+    @property
+    def w_uk(self):
+        """[H, Dn, L]: k^N = W_UK c per head."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora)
+        return w[:, : self.nope]
+
+    @property
+    def w_uv(self):
+        """[H, Dv, L]: v = W_UV c per head."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora)
+        return w[:, self.nope :]
+
+    def absorb(self, q_BHQ):
+        """[B, H, Dn + R] -> [W_UK^T q^N | q^R] [B, H, L + R], one batched GEMM per head in the
+        model dtype (fp32 accumulation)."""
+        q_nope, q_rope = q_BHQ.split([self.nope, self.rope], dim=-1)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, H, L]
+        return torch.cat([q_lat, q_rope], dim=-1)
+
+    def unabsorb(self, ctx_BHL):
+        """Latent context [B, H, L] -> per-head values W_UV ctx [B, H, Dv] (model dtype)."""
+        ctx = ctx_BHL.to(self.kv_b_proj.weight.dtype).transpose(0, 1)  # [H, B, L]
+        return torch.bmm(ctx, self.w_uv.transpose(1, 2)).transpose(0, 1)
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def _prefill(self, q_THQ, latent_TC, batch):
+        """Expanded causal attention of the packed new tokens over their sequences' cached
+        prefix plus themselves, with no per-sequence loop: the new latents go into their pages
+        in one scatter, every sequence's whole latent (prefix + new) comes back in one gather,
+        one kv_b_proj GEMM expands it and one varlen flash kernel attends (`kernels/mla`).
+        Expanding the prefix per chunk costs P * 25 MFLOP (K3: 2 * 512 * 96 * 256 per cached
+        token) against T * P * 210 kFLOP for attending it in absorbed form (2 * 96 * (576 + 512)
+        per query-key pair, vs 61 kFLOP expanded): cheaper for chunks of more than ~170 tokens,
+        which prefill chunks are."""
+        dev, pool = q_THQ.device, _pool(batch, self.layer_idx)
+        lens, cached = batch.seq_lens, batch.cached_lens
+        if pool is None:
+            if any(cached):
+                raise ValueError(
+                    f"MLA layer {self.layer_idx}: cached_lens {cached} need the cache's pages "
+                    f"bound to the batch (batch.mla_pages)"
+                )
+            latent_SC, k_lens = latent_TC, lens
+        else:
+            ps = pool.shape[1]
+            for n, (new, c) in enumerate(zip(lens, cached)):
+                if c + new > len(batch.page_tables[n]) * ps:
+                    raise ValueError(
+                        f"sequence of {c + new} tokens exceeds its {len(batch.page_tables[n])} "
+                        f"pages of {ps} tokens"
+                    )
+            k_lens = [c + n for c, n in zip(cached, lens)]
+            seq_T, pos_T = _token_positions(lens, cached, dev)
+            rows_T = batch.page_rows[seq_T, pos_T // ps]
+            pool[rows_T, pos_T % ps] = latent_TC.to(pool.dtype)
+            if any(cached):
+                seq_S, pos_S = _token_positions(k_lens, [0] * len(k_lens), dev)
+                latent_SC = pool[batch.page_rows[seq_S, pos_S // ps], pos_S % ps]
+            else:
+                latent_SC = latent_TC.to(pool.dtype)
+        return self._attend_packed(q_THQ, latent_SC, lens, k_lens)
+
+    def _attend_packed(self, q_THQ, latent_SC, q_lens, k_lens):
+        S, H = latent_SC.shape[0], self.num_heads
         c, k_rope = latent_SC.split([self.kv_lora, self.rope], dim=-1)
         kv = self.kv_b_proj(c).view(S, H, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        if q_THQ.is_cuda:  # fused SDPA in the model dtype; the fp32 path below is the reference
-            k = torch.cat([k_nope, k_rope[:, None, :].expand(S, H, self.rope)], dim=-1)
-            keep = torch.arange(S, device=q_THQ.device)[None, :] <= (
-                torch.arange(T, device=q_THQ.device)[:, None] + offset
-            )
-            out = F.scaled_dot_product_attention(
-                q_THQ.transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                attn_mask=keep,
-                scale=self.scale,
-            )
-            return out.transpose(0, 1)
-        q_nope, q_rope = q_THQ.split([self.nope, self.rope], dim=-1)
-        scores = torch.einsum("thd,shd->hts", q_nope.float(), k_nope.float())
-        scores = scores + torch.einsum("thr,sr->hts", q_rope.float(), k_rope.float())
-        pos_q = torch.arange(T, device=q_THQ.device)[:, None] + offset
-        mask = torch.arange(S, device=q_THQ.device)[None, :] > pos_q
-        probs = torch.softmax((scores * self.scale).masked_fill(mask, float("-inf")), dim=-1)
-        return torch.einsum("hts,shv->thv", probs, v.float()).to(q_THQ.dtype)
+        cu_q, cu_k = _offsets(q_lens), _offsets(k_lens)
+        if not self.uses_kernels(q_THQ):
+            o = mla_ref.mla_prefill(q_THQ, k_nope, k_rope, v, cu_q, cu_k, scale=self.scale)
+            return o.to(q_THQ.dtype)
+        from k3kernels.mla.prefill import mla_prefill  # imports triton
 
-    def _decode(self, q_BHQ, latent_BC, batch, cache):
-        """One new token per sequence, attention in the latent space (absorbed form):
-        score = (W_UK^T q^N) . c + q^R . k^R; ctx = W_UV (sum p c)."""
-        dev = q_BHQ.device
-        pool = cache.mla_latent[self.layer_idx]
-        ps = pool.shape[1]
-        pos = list(batch.cached_lens)
+        dev = q_THQ.device
+        return mla_prefill(
+            q_THQ, k_nope, k_rope, v,
+            torch.tensor(cu_q, dtype=torch.int32).to(dev, non_blocking=True),
+            torch.tensor(cu_k, dtype=torch.int32).to(dev, non_blocking=True),
+            max_seqlen_q=max(q_lens, default=0), scale=self.scale,
+        )  # fmt: skip
+
+    def attend_expanded(self, q_THQ, latent_SC, offset: int):
+        """Causal attention of T queries at positions offset.. over S = offset + T latents
+        (one sequence, keys and values expanded through kv_b_proj)."""
+        return self._attend_packed(q_THQ, latent_SC, [q_THQ.shape[0]], [latent_SC.shape[0]])
+
+    # ---- decode -------------------------------------------------------------------------------
+    def _decode(self, q_BHQ, latent_BC, batch):
+        """One new token per sequence: its latent goes into its page, then absorbed attention
+        over every sequence's pages in place (`kernels/mla/decode.py`; fp32 reference on CPU):
+        score = (W_UK^T q^N) . c + q^R . k^R, ctx = W_UV (sum p c)."""
+        pool = _pool(batch, self.layer_idx)
+        if pool is None:
+            raise ValueError(f"MLA layer {self.layer_idx}: decode needs batch.mla_pages")
+        ps, pos = pool.shape[1], batch.cached_lens
         if any(p // ps >= len(t) for p, t in zip(pos, batch.page_tables)):
             raise ValueError("a sequence has no page for its next token")
-        pos_B = torch.tensor(pos, device=dev)
+        pos_B = torch.tensor(pos).to(q_BHQ.device, non_blocking=True)
         rows_B = batch.page_rows.gather(1, (pos_B // ps)[:, None])[:, 0]
         pool[rows_B, pos_B % ps] = latent_BC.to(pool.dtype)
-        S = max(pos) + 1
-        latent_BSC = load_tokens(pool, batch.page_rows, S)
-        mask = torch.arange(S, device=dev)[None, :] > pos_B[:, None]  # [B, S]
-        return self.attend_absorbed(q_BHQ, latent_BSC, mask)
+        ctx_BHL, _ = self.attend_pages(
+            self.absorb(q_BHQ), pool, batch.page_rows, (pos_B + 1).to(torch.int32), max(pos) + 1
+        )
+        return self.unabsorb(ctx_BHL)
+
+    def attend_pages(self, q_BHC, pool_PNC, page_rows_BP, seq_lens_B, max_len: int, *,
+                     out_dtype=None):  # fmt: skip
+        """Absorbed attention of q [B, H, L + R] over each sequence's first seq_lens[b] tokens
+        in its pages. max_len: host bound on seq_lens (sizes the split). Returns (ctx [B, H, L]
+        in out_dtype (default q's), lse [B, H] fp32)."""
+        kw = dict(kv_lora=self.kv_lora, scale=self.scale)
+        if not self.uses_kernels(q_BHC):
+            o, lse = mla_ref.mla_decode(q_BHC, pool_PNC, page_rows_BP, seq_lens_B, **kw)
+            return o.to(out_dtype or q_BHC.dtype), lse
+        from k3kernels.mla.decode import mla_decode, num_splits_for  # imports triton
+
+        B, H = q_BHC.shape[:2]
+        splits = num_splits_for(B, H, max_len)
+        return mla_decode(q_BHC, pool_PNC, page_rows_BP, seq_lens_B, num_splits=splits,
+                          out_dtype=out_dtype, **kw)  # fmt: skip
 
     def attend_absorbed(self, q_BHQ, latent_BSC, mask_BS):
-        """Absorbed attention of one query per sequence over S latents (True in mask = skip)."""
-        H = self.num_heads
-        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.kv_lora)
-        w_uk, w_uv = w.float().split([self.nope, self.v_dim], dim=1)  # [H, Dn, L], [H, Dv, L]
-        q_nope, q_rope = q_BHQ.float().split([self.nope, self.rope], dim=-1)
-        q_lat = torch.einsum("bhd,hdl->bhl", q_nope, w_uk)
-        c, k_rope = latent_BSC.float().split([self.kv_lora, self.rope], dim=-1)
-        scores = torch.einsum("bhl,bsl->bhs", q_lat, c) + torch.einsum(
-            "bhr,bsr->bhs", q_rope, k_rope
+        """Absorbed attention of one query per sequence over dense latents (True in mask =
+        skip); the fp32 reference form, for tests."""
+        o, _ = mla_ref.partial_attention(
+            self.absorb(q_BHQ), latent_BSC, mask_BS, kv_lora=self.kv_lora, scale=self.scale
         )
-        scores = (scores * self.scale).masked_fill(mask_BS[:, None, :], float("-inf"))
-        ctx_lat = torch.einsum("bhs,bsl->bhl", torch.softmax(scores, dim=-1), c)
-        return torch.einsum("bhl,hvl->bhv", ctx_lat, w_uv).to(q_BHQ.dtype)
+        return self.unabsorb(o)
+
+
+def _pool(batch, layer_idx: int):
+    return None if batch.mla_pages is None else batch.mla_pages.get(layer_idx)
+
+
+def _offsets(lens: list[int]) -> list[int]:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return out
+
+
+def _token_positions(counts: list[int], starts: list[int], device):
+    """(seq [N], pos [N]) for sum(counts) packed tokens: token j of sequence b sits at position
+    starts[b] + j. Built on the host from the batch's lists, then copied once."""
+    counts_t = torch.tensor(counts, dtype=torch.long)
+    seq = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
+    first = torch.tensor(_offsets(counts)[:-1], dtype=torch.long)
+    pos = torch.arange(int(counts_t.sum())) - first[seq] + torch.tensor(starts)[seq]
+    return seq.to(device, non_blocking=True), pos.to(device, non_blocking=True)

@@ -1,0 +1,164 @@
+"""`k3batch bench mla-decode` / `mla-prefill`: the MLA kernels alone on one GPU.
+
+mla-decode: the paged absorbed decode kernel (split-K + merge) over B sequences of a fixed
+context, pages handed out in a shuffled order; reports the bandwidth on the latent bytes it
+reads (B * context * (L + R) * itemsize) against the H200's measured copy bandwidth.
+mla-prefill: the varlen flash prefill kernel (expanded form, causal, optional cached prefix);
+reports useful TFLOP/s (causal pairs only) against the measured bf16 GEMM peak.
+Times are medians of `triton.testing.do_bench` (L2 flushed between runs). `sweep=True` times
+each launch configuration too (after the default; `on_row` gets each row) and reports the best.
+"""
+
+import itertools
+import math
+
+import torch
+
+COPY_TBPS = 4.26  # H200, measured copy bandwidth (issue 13)
+BF16_TFLOPS = 777.0  # H200, measured bf16 GEMM (issue 12)
+
+
+def _median_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def decode_inputs(batch: int, context_len: int, heads: int, *, kv_lora: int = 512,
+                  rope: int = 64, page_size: int = 64, dtype=torch.bfloat16,
+                  seed: int = 0):  # fmt: skip
+    """(q [B, H, C], pool [P, page_size, C], page_rows [B, pages], seq_lens [B] int32) on CUDA;
+    the pool is one tensor with pages in a random order."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    C, per_seq = kv_lora + rope, math.ceil(context_len / page_size)
+    P = batch * per_seq
+    pool = torch.randn(P, page_size, C, device="cuda", dtype=dtype, generator=g)
+    rows = torch.randperm(P, device="cuda", generator=g).view(batch, per_seq)
+    q = torch.randn(batch, heads, C, device="cuda", dtype=dtype, generator=g)
+    lens = torch.full((batch,), context_len, dtype=torch.int32, device="cuda")
+    return q, pool, rows, lens
+
+
+def run_mla_decode_bench(*, batch: int = 64, context_len: int = 8192, heads: int = 96,
+                         page_size: int = 64, sweep: bool = False,
+                         on_row=None) -> dict:  # fmt: skip
+    from k3kernels.mla import decode as K
+
+    kv_lora, rope = 512, 64
+    q, pool, rows, lens = decode_inputs(batch, context_len, heads, kv_lora=kv_lora, rope=rope,
+                                        page_size=page_size)  # fmt: skip
+    scale = (128 + rope) ** -0.5
+    nbytes = batch * context_len * (kv_lora + rope) * pool.dtype.itemsize
+    base = K.launch_config(heads) | {"num_splits": K.num_splits_for(batch, heads, context_len)}
+
+    def time_cfg(cfg):
+        launch = {k: v for k, v in cfg.items() if k != "num_splits"}
+
+        def fn():
+            return K.mla_decode(q, pool, rows, lens, kv_lora=kv_lora, scale=scale,
+                                num_splits=cfg["num_splits"], config=launch)  # fmt: skip
+
+        return _median_ms(fn)
+
+    default_ms = time_cfg(base)
+    tried = []
+    if sweep:
+        splits = sorted({1, base["num_splits"], 2 * base["num_splits"]})
+        for bh, bn, nw, ns, m in itertools.product((16, 32, 64), (32, 64), (4, 8), (1, 2), splits):
+            cfg = dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, num_splits=m)
+            try:
+                ms = time_cfg(cfg)
+            except Exception as e:  # out of shared memory / registers: skip the config
+                tried.append(cfg | {"error": type(e).__name__})
+                continue
+            tried.append(cfg | {"ms": ms, "tbps": nbytes / ms / 1e9})
+            if on_row:
+                on_row(tried[-1])
+    ok = [t for t in tried if "ms" in t]
+    best = min(ok, key=lambda t: t["ms"]) if ok else base | {"ms": default_ms}
+    tbps = nbytes / default_ms / 1e9
+    return {
+        "batch": batch, "context_len": context_len, "heads": heads, "page_size": page_size,
+        "latent_bytes": nbytes, "default": base | {"ms": default_ms, "tbps": tbps},
+        "default_fraction_of_copy": tbps / COPY_TBPS,
+        "best": best | {"tbps": nbytes / best["ms"] / 1e9},
+        "best_fraction_of_copy": nbytes / best["ms"] / 1e9 / COPY_TBPS,
+        "sweep": sorted(ok, key=lambda t: t["ms"])[:15],
+        "errors": [t for t in tried if "error" in t][:10],
+    }  # fmt: skip
+
+
+def run_mla_prefill_bench(*, seq_lens=(8192,), cached_lens=None, heads: int = 96,
+                          sweep: bool = False, on_row=None) -> dict:  # fmt: skip
+    from k3kernels.mla import prefill as K
+
+    Dn, R, Dv, L = 128, 64, 128, 512
+    cached = list(cached_lens or [0] * len(seq_lens))
+    k_lens = [c + n for c, n in zip(cached, seq_lens)]
+    T, S = sum(seq_lens), sum(k_lens)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dt = torch.bfloat16
+    q = torch.randn(T, heads, Dn + R, device="cuda", dtype=dt, generator=g)
+    kv = torch.randn(S, heads, Dn + Dv, device="cuda", dtype=dt, generator=g)
+    latent = torch.randn(S, L + R, device="cuda", dtype=dt, generator=g)
+
+    def cu(lens):
+        return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+
+    cu_q, cu_k = cu(seq_lens), cu(k_lens)
+    pairs = sum(n * c + n * (n + 1) // 2 for n, c in zip(seq_lens, cached))  # causal (q, k)
+    flops = 2 * pairs * heads * (Dn + R + Dv)
+    base = dict(block_m=K.BLOCK_M, block_n=K.BLOCK_N, num_warps=K.NUM_WARPS,
+                num_stages=K.NUM_STAGES)  # fmt: skip
+
+    def run(cfg):
+        return K.mla_prefill(q, kv[..., :Dn], latent[:, L:], kv[..., Dn:], cu_q, cu_k,
+                             max_seqlen_q=max(seq_lens), scale=(Dn + R) ** -0.5,
+                             **cfg)  # fmt: skip
+
+    def time_cfg(cfg):
+        return _median_ms(lambda: run(cfg))
+
+    default_ms = time_cfg(base)
+    tried = []
+    if sweep:
+        for bm, bn, nw, ns in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
+            cfg = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+            try:
+                ms = time_cfg(cfg)
+            except Exception as e:
+                tried.append(cfg | {"error": type(e).__name__})
+                continue
+            tried.append(cfg | {"ms": ms, "tflops": flops / ms / 1e9})
+            if on_row:
+                on_row(tried[-1])
+    ok = [t for t in tried if "ms" in t]
+    best = min(ok, key=lambda t: t["ms"]) if ok else base | {"ms": default_ms}
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    run(base)
+    peak_extra = torch.cuda.max_memory_allocated() - before
+    return {
+        "seq_lens": list(seq_lens), "cached_lens": cached, "heads": heads, "flops": flops,
+        "default": base | {"ms": default_ms, "tflops": flops / default_ms / 1e9},
+        "default_fraction_of_bf16_peak": flops / default_ms / 1e9 / BF16_TFLOPS,
+        "best": best | {"tflops": flops / best["ms"] / 1e9},
+        "sweep": sorted(ok, key=lambda t: t["ms"])[:10],
+        "errors": [t for t in tried if "error" in t][:10],
+        "peak_extra_bytes": peak_extra,
+    }  # fmt: skip
+
+
+def format_result(name: str, r: dict) -> str:
+    d, b = r["default"], r["best"]
+    if "tbps" in d:
+        unit, ref = "TB/s", COPY_TBPS
+    else:
+        unit, ref = "TFLOP/s", BF16_TFLOPS
+    key = "tbps" if unit == "TB/s" else "tflops"
+    cfg = {k: v for k, v in d.items() if k not in ("ms", key)}
+    bcfg = {k: v for k, v in b.items() if k not in ("ms", key)}
+    return (
+        f"{name}: default {d['ms']:.3f} ms, {d[key]:.2f} {unit} ({d[key] / ref:.0%} of {ref}) "
+        f"{cfg}\n{name}: best    {b['ms']:.3f} ms, {b[key]:.2f} {unit} ({b[key] / ref:.0%}) {bcfg}"
+    )

@@ -1,0 +1,207 @@
+"""Paged MLA decode (absorbed form) straight over the latent pages, split over the sequence.
+
+Stage 1 (`mla_decode_kernel`): program (head block, split, sequence) walks its split's tokens
+through the page table, BLOCK_N tokens at a time: score = q_lat . c + q_rope . k_rope (the
+cached [c | k_rope] row read once for BLOCK_H heads), an fp32 online softmax, acc += p c.
+It writes its partial (normalized over the split) and its log-sum-exp. Stage 2 is the LSE merge
+of `merge.py` over the splits; with one split stage 1 writes the output directly. The LSE is
+returned, so DCP ranks merge their partials with the same code.
+The head block is the fastest-varying program id: the programs that read one split's latent
+rows run side by side and share them through L2.
+
+Shape legend: B sequences, H heads, L latent (kv_lora), R rope dims, C = L + R, P pages,
+N tokens per page, M splits.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from k3kernels.mla.merge import merge_lse
+
+
+@triton.jit
+def mla_decode_kernel(
+    q_ptr,  # [B, H, C]
+    pool_ptr,  # [P, N, C], last dim contiguous
+    rows_ptr,  # [B, max pages] int
+    lens_ptr,  # [B] int: tokens to attend
+    part_ptr,  # [M, B, H, L]
+    lse_ptr,  # [M, B, H]
+    H,
+    page_size,
+    qk_scale,  # scale * log2(e)
+    stride_qb,
+    stride_qh,
+    stride_pp,
+    stride_pt,
+    stride_rb,
+    stride_om,
+    stride_ob,
+    stride_oh,
+    stride_lm,
+    stride_lb,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (exact products), else "tf32" (unused)
+):
+    hb = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < H
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    l_ok = offs_l < L
+    r_ok = offs_r < R
+
+    q_base = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q_lat = tl.load(q_base + offs_l[None, :], mask=h_ok[:, None] & l_ok[None, :], other=0.0)
+    q_rope = tl.load(q_base + L + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+
+    seq_len = tl.load(lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    m = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
+    denom = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        ok = pos < end
+        page_row = tl.load(rows_ptr + b * stride_rb + pos // page_size, mask=ok, other=0)
+        tok = pool_ptr + page_row.to(tl.int64) * stride_pp + (pos % page_size) * stride_pt
+        c = tl.load(tok[:, None] + offs_l[None, :], mask=ok[:, None] & l_ok[None, :], other=0.0)
+        k_rope = tl.load(
+            tok[:, None] + L + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0
+        )
+        s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION) + tl.dot(
+            q_rope, tl.trans(k_rope), input_precision=PRECISION
+        )  # [BLOCK_H, BLOCK_N]
+        s = tl.where(ok[None, :], s * qk_scale, -float("inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
+        m = m_new
+
+    empty = denom == 0.0
+    out = acc / tl.where(empty, 1.0, denom)[:, None]
+    lse = (m + tl.log2(tl.where(empty, 1.0, denom))) * 0.6931471805599453  # natural log
+    lse = tl.where(empty, -float("inf"), lse)
+    o_ptr = part_ptr + split * stride_om + b * stride_ob + heads[:, None] * stride_oh
+    o_mask = h_ok[:, None] & l_ok[None, :]
+    tl.store(o_ptr + offs_l[None, :], out.to(part_ptr.dtype.element_ty), mask=o_mask)
+    tl.store(lse_ptr + split * stride_lm + b * stride_lb + heads, lse, mask=h_ok)
+
+
+# Launch settings. MEASURED ran on one H200 (torch 2.11, triton 3.6) at batch 64 x 8K, H=96,
+# one split: 1.94 ms, 0.31 TB/s on the latent bytes (7% of the copy bandwidth); each of the
+# H / 16 head blocks streams every latent row again (6x the bytes through L2) and 384
+# programs make 1.5 waves. `launch_config` therefore takes 32 heads per program above 16
+# heads (half the L2 traffic, 8 warps for the [32, L] fp32 accumulator) and `num_splits_for`
+# fills ~4 waves; that choice is NOT measured yet (`k3batch bench mla-decode --sweep`).
+# A launch the device refuses (out of resources) falls back to MEASURED.
+MEASURED = dict(block_h=16, block_n=32, num_warps=4, num_stages=2)
+
+
+def launch_config(num_heads: int) -> dict:
+    """{block_h, block_n, num_warps, num_stages} for num_heads query heads per sequence."""
+    if num_heads <= 16:  # TP / DCP ranks: one head block
+        return dict(MEASURED)
+    return dict(block_h=32, block_n=32, num_warps=8, num_stages=2)
+
+
+def _precision(dtype) -> str:
+    """fp32 runs as fp32 (the fp32 path is the exactness check; tf32 would cost ~1e-3)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def num_splits_for(
+    num_seqs: int,
+    num_heads: int,
+    max_len: int,
+    *,
+    num_sms: int = 132,
+    max_splits: int = 16,
+    min_tokens: int = 256,
+) -> int:
+    """Splits per sequence so that the grid holds about four programs per SM (load balance
+    across waves; the merge costs 2 x splits x B x H x L x 4 bytes), each split keeping at
+    least min_tokens tokens. Host-side integers only (no device sync: graph-safe)."""
+    programs = num_seqs * triton.cdiv(num_heads, launch_config(num_heads)["block_h"])
+    want = triton.cdiv(4 * num_sms, max(programs, 1))
+    return max(1, min(want, max_splits, triton.cdiv(max_len, min_tokens)))
+
+
+def mla_decode(
+    q_BHC,
+    pool_PNC,
+    page_rows_BP,
+    seq_lens_B,
+    *,
+    kv_lora: int,
+    scale: float,
+    num_splits: int = 1,
+    out_dtype=None,
+    config: dict | None = None,
+):
+    """Absorbed attention of each sequence's H query heads over its first seq_lens[b] cached
+    tokens, read in place from the pages page_rows[b] (row of the pool per page).
+
+    q_BHC: [q_lat | q_rope] [B, H, L + R] (the model dtype); pool_PNC: [P, page_size, L + R]
+    (last dim contiguous; the pool's dtype must be q's); page_rows_BP: [B, >= pages] int;
+    seq_lens_B: [B] int32/int64 device tensor (0 allowed: out 0, lse -inf).
+    config: {block_h, block_n, num_warps, num_stages} (default `launch_config(H)`).
+    Returns (out [B, H, L] in out_dtype (default q's), lse [B, H] fp32, natural log).
+    """
+    B, H, C = q_BHC.shape
+    L, R = kv_lora, C - kv_lora
+    if pool_PNC.shape[-1] != C or pool_PNC.stride(-1) != 1 or pool_PNC.dtype != q_BHC.dtype:
+        raise ValueError(
+            f"pool {list(pool_PNC.shape)} {pool_PNC.dtype} (stride {pool_PNC.stride()}) does not "
+            f"hold tokens of {C} = {L} + {R} contiguous {q_BHC.dtype} values"
+        )
+    if q_BHC.stride(-1) != 1:
+        q_BHC = q_BHC.contiguous()
+    out_dtype = out_dtype or q_BHC.dtype
+    dev = q_BHC.device
+    M = num_splits
+    if M == 1:
+        part = torch.empty(1, B, H, L, device=dev, dtype=out_dtype)
+    else:
+        part = torch.empty(M, B, H, L, device=dev, dtype=torch.float32)
+    lse = torch.empty(M, B, H, device=dev, dtype=torch.float32)
+    if B:
+        cfg = config or launch_config(H)
+        args = (q_BHC, pool_PNC, page_rows_BP, seq_lens_B, part, lse, H, L, R, M,
+                scale * 1.4426950408889634)  # fmt: skip
+        try:
+            _launch(*args, **cfg)
+        except OutOfResources:
+            if cfg == MEASURED:
+                raise
+            _launch(*args, **MEASURED)
+    if M == 1:
+        return part[0], lse[0]
+    return merge_lse(part, lse, out_dtype=out_dtype)
+
+
+def _launch(q, pool, rows, lens, part, lse, H, L, R, M, qk_scale, *, block_h, block_n,
+            num_warps, num_stages):  # fmt: skip
+    mla_decode_kernel[(triton.cdiv(H, block_h), M, q.shape[0])](
+        q, pool, rows, lens, part, lse, H, pool.shape[1], qk_scale,
+        q.stride(0), q.stride(1), pool.stride(0), pool.stride(1), rows.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        L=L, R=R, NUM_SPLITS=M, BLOCK_H=block_h, BLOCK_N=block_n,
+        BLOCK_L=triton.next_power_of_2(L), BLOCK_R=max(16, triton.next_power_of_2(R)),
+        PRECISION=_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip

@@ -1,0 +1,37 @@
+"""Inputs shared by the MLA kernel tests: paged latents with non-contiguous, shuffled page
+tables and NaN poison everywhere a kernel must not read (pages of no sequence, positions past a
+sequence's length), plus the CPU/GPU switch. Not a test module."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Triton decides at decoration time whether a kernel is interpreted: set this before any
+    # k3kernels.mla Triton module is imported, so that the CPU suite runs the kernels.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def paged_latents(lens, C, *, page_size: int, dtype, seed: int, spare_pages: int = 3):
+    """Sequences of lens[b] cached tokens [C] in pages of page_size, pages handed out in a
+    shuffled order (no table is contiguous or sorted). Returns (pool [P, page_size, C] in dtype
+    on DEVICE, page_rows [B, max pages] int64 on DEVICE, tokens: list of [lens[b], C] fp32 CPU
+    (the values as stored, i.e. after the cast)). Unused pages and tails are NaN."""
+    g = torch.Generator().manual_seed(seed)
+    need = [max(1, -(-n // page_size)) for n in lens]
+    P = sum(need) + spare_pages
+    order = torch.randperm(P, generator=g).tolist()
+    pool = torch.full((P, page_size, C), float("nan"), dtype=dtype)
+    rows = torch.zeros(len(lens), max(need), dtype=torch.long)
+    tokens, k = [], 0
+    for b, n in enumerate(lens):
+        r = order[k : k + need[b]]
+        k += need[b]
+        rows[b, : len(r)] = torch.tensor(r)
+        x = torch.randn(n, C, generator=g).to(dtype)
+        for i in range(n):
+            pool[r[i // page_size], i % page_size] = x[i]
+        tokens.append(x.float())
+    return pool.to(DEVICE), rows.to(DEVICE), tokens
