@@ -111,10 +111,13 @@ class K3Model(nn.Module):
         return self.layer_range[1] == self.config.num_hidden_layers
 
     def set_backend(self, backend: str) -> "K3Model":
-        """'torch' (fp32 reference ops) or 'fla' (fla-core kernels, CUDA) for the KDA core."""
+        """'torch' (reference ops) or 'fla' (fla-core kernels for KDA, Triton kernels for MLA
+        where the tensors are on CUDA) for the attention layers."""
         for m in self.modules():
             if isinstance(m, KimiDeltaAttention):
                 m.backend = backend
+            elif isinstance(m, KimiMLAAttention):
+                m.backend = "torch" if backend == "torch" else "auto"
         return self
 
     def embed(self, input_ids_T) -> Stream:
