@@ -133,7 +133,8 @@ def active_params(config) -> int:
 def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, new_tokens: int,
                       chunk_size: int, seed: int = 0, profile: bool = False) -> dict:  # fmt: skip
     """Single-device engine speed on random weights made on the device (no checkpoint):
-    prefill tokens/s over `batch` prompts, then decode tokens/s with all of them running.
+    prefill tokens/s over `batch` prompts, then decode tokens/s with all of them running, and
+    the decode step beside its roofline (bytes it must read over the H200's copy bandwidth).
     With `profile`, one more prefill runs under the torch profiler and the row gets
     "profile": the top ops by self GPU time (CPU time without CUDA)."""
     from k3batch.engine.config import EngineConfig
@@ -186,6 +187,7 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
         torch.cuda.reset_peak_memory_stats()
     t_prefill = prefill()
     t_decode, steps = decode()
+    floor = _decode_floor(engine, model, prefill, decode, batch * [prompt_len + new_tokens // 2])
     prefill_tps = batch * prompt_len / t_prefill
     flops_per_token = 2 * active_params(model.config)
     row = {
@@ -196,12 +198,27 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
         "prefill_mfu_pct": round(100 * prefill_tps * flops_per_token / 1e12 / PEAK_BF16_TFLOPS, 1),
         "decode_tokens_per_s": round(batch * (new_tokens - 1) / t_decode, 1),
         "decode_step_ms": round(1000 * t_decode / max(steps, 1), 2),
+        "decode_floor_ms": round(floor.floor_ms(), 3),
+        "decode_roofline_x": round(1000 * t_decode / max(steps, 1) / floor.floor_ms(), 2),
+        "decode_bytes": {k: getattr(floor, k) for k in ("dense", "experts", "kda", "mla")},
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
     }  # fmt: skip
     if profile:
         row["profile"] = _profile_prefill(prefill, cuda)
         decode()
     return row
+
+
+def _decode_floor(engine, model, prefill, decode, context_lens):
+    """The roofline of the measured decode steps (`k3batch.roofline`): one more prefill, its
+    first decode step under a route counter (the experts a step selects), then the rest."""
+    from k3batch.roofline import RouteCounter, decode_bytes
+
+    prefill()
+    with RouteCounter(model) as rc:
+        engine.step()
+    decode()
+    return decode_bytes(model, context_lens=context_lens, experts_selected=rc.selected)
 
 
 def _profile_prefill(prefill, cuda: bool, top: int = 25) -> dict:

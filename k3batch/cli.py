@@ -205,6 +205,10 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, prof
     if profile:
         click.echo(format_profile(row["profile"]))
     click.echo(json.dumps({k: v for k, v in row.items() if k != "profile"}))
+    click.echo(
+        f"decode step {row['decode_step_ms']} ms; roofline {row['decode_floor_ms']} ms "
+        f"({row['decode_roofline_x']}x) = {row['decode_bytes']} bytes at 4.26 TB/s"
+    )
     if json_path:
         with open(json_path, "a") as f:
             f.write(json.dumps(row) + "\n")
