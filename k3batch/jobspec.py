@@ -9,7 +9,7 @@ loaded and raises `ValueError` naming the field. Example: `jobs/debug_cpu.toml`.
     [output]  path, logprobs, prompt_logprobs
     [sampling] temperature, top_p, top_k, seed, max_new_tokens, stop_token_ids, ignore_eos
     [replicas] num_replicas, pp, pp_layers, tp, dcp, device, num_gpus, accelerator_type,
-               max_inflight_rows, max_retries
+               max_inflight_rows, max_retries, wait_timeout_s
     [engine]  max_num_seqs, max_seq_len, chunk_size, max_batch_tokens, page_size, memory_pool,
               prefix_cache, cache_bytes, memory_fraction
 """
@@ -59,6 +59,7 @@ class ReplicaSpec:
     accelerator_type: str | None = None  # e.g. "H200": lets the autoscaler pick node types
     max_inflight_rows: int = 64  # rows dispatched to one replica and not yet returned
     max_retries: int = 3  # per unit of rows lost to a replica failure
+    wait_timeout_s: float = 900.0  # bound on waiting for resources and replica startup
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,6 +91,8 @@ class JobSpec:
         for name in ("num_replicas", "pp", "tp", "dcp", "max_inflight_rows"):
             if getattr(r, name) < 1:
                 raise ValueError(f"replicas.{name} = {getattr(r, name)} must be >= 1")
+        if not r.wait_timeout_s > 0:
+            raise ValueError(f"replicas.wait_timeout_s = {r.wait_timeout_s} must be > 0")
         if r.max_retries < 0:
             raise ValueError(f"replicas.max_retries = {r.max_retries} must be >= 0")
         if r.device not in ("auto", "cpu", "cuda"):
