@@ -4,7 +4,7 @@ for driver tests and the driver benchmark.
 A row "generates" its first `max_new_tokens` prompt tokens, reversed, and finishes
 `token_s * max_new_tokens` seconds after it was submitted (rows run concurrently, as under
 continuous batching), so `token_s = 0` is an instant replica and a per-row `max_new_tokens`
-makes a slow row.
+makes a slow row. `stats_delay_s` makes `stats` answer late (a hung replica).
 """
 
 import asyncio
@@ -13,15 +13,17 @@ import time
 
 
 class FakeReplica:
-    def __init__(self, model_dir, engine_config, device, *, token_s: float = 0.0, **_):
-        self.token_s = token_s
+    def __init__(self, model_dir, engine_config, device, *, token_s: float = 0.0,
+                 stats_delay_s: float = 0.0, **_):  # fmt: skip
+        self.token_s, self.stats_delay_s = token_s, stats_delay_s
         self.pending: list = []  # (due at, row)
         self.rows = 0
 
     def ready(self) -> dict:
         return {"load_s": 0.0, "pid": os.getpid()}
 
-    def stats(self) -> dict:
+    async def stats(self) -> dict:
+        await asyncio.sleep(self.stats_delay_s)  # > the driver's timeout: a replica that hangs
         return {"load_s": 0.0, "busy_s": 0.0, "rows": self.rows}
 
     def submit(self, items) -> int:

@@ -106,16 +106,21 @@ class OutputLease:
         self.release()
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.heartbeat_s):
-            try:
-                current = self._read()
-                if current is None or current.get("token") != self.holder["token"]:
-                    self.lost = True
-                    _log.error("output lease taken by %s", _who(current or {}))
-                    return
-                self._write(acquired_at=self._acquired_at, heartbeat_at=time.time())
-            except Exception as e:  # a missed beat is retried; stale only after stale_after_s
-                _log.warning("output lease heartbeat failed: %s", e)
+        while not self._stop.wait(self.heartbeat_s) and self._beat_once():
+            pass
+
+    def _beat_once(self) -> bool:
+        """Renew the heartbeat; False (and `lost`) if another driver holds the lease now."""
+        try:
+            current = self._read()
+            if current is None or current.get("token") != self.holder["token"]:
+                self.lost = True
+                _log.error("output lease taken by %s", _who(current or {}))
+                return False
+            self._write(acquired_at=self._acquired_at, heartbeat_at=time.time())
+        except Exception as e:  # a missed beat is retried; stale only after stale_after_s
+            _log.warning("output lease heartbeat failed: %s", e)
+        return True
 
     def _read(self) -> dict | None:
         try:
