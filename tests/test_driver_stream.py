@@ -49,6 +49,7 @@ def _replica() -> ReplicaActor:
     actor.engine, actor.tokenizer = _StubEngine(), _StubTokenizer()
     actor.load_s, actor.busy_s, actor.rows = 0.0, 0.0, 0
     actor._inbox, actor._outbox, actor._next_id = queue.SimpleQueue(), collections.deque(), 0
+    actor._wake = actor._wake_loop = None
     threading.Thread(target=actor._loop, daemon=True).start()
     return actor
 

@@ -59,6 +59,7 @@ class ReplicaActor:
         self.rows = 0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: collections.deque = collections.deque()  # finished rows, engine -> caller
+        self._wake = self._wake_loop = None  # take_results' event, set by the engine thread
         self._next_id = 0
         threading.Thread(target=self._loop, daemon=True, name="engine").start()
 
@@ -84,9 +85,14 @@ class ReplicaActor:
         """The rows finished since the last call, waiting up to `max_wait_s` for at least one:
         dicts with key, generated_text, output_token_ids, finish_reason, num_prompt_tokens,
         num_output_tokens, error, and output_logprobs / prompt_logprobs when asked for."""
-        deadline = time.monotonic() + max_wait_s
-        while not self._outbox and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
+        if self._wake_loop is not asyncio.get_running_loop():
+            self._wake, self._wake_loop = asyncio.Event(), asyncio.get_running_loop()
+        self._wake.clear()  # before looking: a row appended after the look sets it again
+        if not self._outbox:
+            try:
+                await asyncio.wait_for(self._wake.wait(), max_wait_s)
+            except asyncio.TimeoutError:
+                pass
         out = []
         while self._outbox:
             out.append(self._outbox.popleft())
@@ -117,9 +123,19 @@ class ReplicaActor:
                 self.rows += len(finished)
                 for res in finished:
                     self._outbox.append(self._row(owner.pop(res.request_id), res))
+                if finished:
+                    self._wake_caller()
         except BaseException:  # the engine is broken: let Ray restart the actor
             log.exception("engine loop failed; exiting the replica process")
             os._exit(1)
+
+    def _wake_caller(self) -> None:
+        loop, wake = self._wake_loop, self._wake
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # that loop is closed; the next take_results makes a new one
+                pass
 
     def _row(self, key, res: GenerationResult) -> dict:
         row = {
