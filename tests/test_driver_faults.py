@@ -178,3 +178,39 @@ def test_slow_row_does_not_hold_back_the_rest(cluster, model_dir, tmp_path):
     out = tmp_path / "out"
     mtime = {b: (out / shard_name(0, b)).stat().st_mtime for b in range(n // 2)}
     assert max(mtime, key=mtime.get) == 0  # every other unit committed before the slow one's
+
+
+def test_killed_replica_rows_are_retried_on_the_stream(cluster, model_dir, tmp_path):
+    """The streaming path's retry: a replica killed mid-job (Ray restarts it) loses its rows in
+    flight; they are resubmitted, stale results are dropped, every id is written once."""
+    import threading
+
+    import ray
+
+    n = 40
+    _write(tmp_path / "in.parquet", id=[f"r{i}" for i in range(n)], prompt=["p"] * n)
+    spec = _spec(model_dir, tmp_path / "in.parquet", tmp_path / "out", name="kill-fake")
+    spec = spec.__class__(**{**{f: getattr(spec, f) for f in spec.__dataclass_fields__},
+                             "replicas": ReplicaSpec(num_replicas=2, device="cpu",
+                                                     max_inflight_rows=4)})  # fmt: skip
+
+    def killer():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                actor = ray.get_actor("kill-fake/replica-0")
+                ray.get(actor.ready.remote(), timeout=30)
+                time.sleep(1.0)
+                ray.kill(actor, no_restart=False)
+                return
+            except ValueError:
+                time.sleep(0.1)
+
+    t = threading.Thread(target=killer)
+    t.start()
+    t0 = time.monotonic()
+    report = _run(spec, token_s=0.5)  # 2 tokens: 1 s per row, 4 at a time per replica: 5 s
+    t.join()
+    assert report.is_complete and report.replica_failures >= 1
+    assert sorted(_rows(tmp_path / "out")) == sorted(f"r{i}" for i in range(n))
+    assert time.monotonic() - t0 < 120
