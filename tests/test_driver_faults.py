@@ -6,7 +6,9 @@ Each test fails on the code before issue 11 (checked with its real replica in pl
 fake, as the old `run_job` had no `replica_cls`): the drifting file crashed the driver; the
 rerun exited cleanly without naming the lost rows; the earlier row of an id was flagged as the
 duplicate; the placement wait and the statistics call never returned; a second driver ran;
-the resume read (and choked on) a committed shard.
+the resume read (and choked on) a committed shard. The tests that need the new API (lease,
+bounded waits, fake replica options) fail on the old code because it had none of it.
+Marked `slow`: the multi-job cases whose logic the no-Ray tests also cover.
 """
 
 import os
@@ -90,6 +92,7 @@ def test_schema_drift_skips_the_bad_files_and_runs_the_rest(cluster, model_dir, 
     assert all(m["rows"] == 1 for m in report.missing)
 
 
+@pytest.mark.slow  # the fast subset: tests/test_driver_inputs.py, test_driver_stream.py
 def test_rerun_names_rows_lost_to_a_file_unreadable_now(cluster, model_dir, tmp_path):
     inp = tmp_path / "in"
     inp.mkdir()
@@ -169,6 +172,7 @@ def test_statistics_of_a_hung_replica_do_not_hang_the_end(cluster, model_dir, tm
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.slow  # the fast subset: tests/test_driver_inputs.py, test_driver_stream.py
 def test_slow_row_does_not_hold_back_the_rest(cluster, model_dir, tmp_path):
     n = 16
     _write(tmp_path / "in.parquet", id=[f"r{i}" for i in range(n)], prompt=["p"] * n,
@@ -180,6 +184,7 @@ def test_slow_row_does_not_hold_back_the_rest(cluster, model_dir, tmp_path):
     assert max(mtime, key=mtime.get) == 0  # every other unit committed before the slow one's
 
 
+@pytest.mark.slow  # the fast subset: tests/test_driver_inputs.py, test_driver_stream.py
 def test_killed_replica_rows_are_retried_on_the_stream(cluster, model_dir, tmp_path):
     """The streaming path's retry: a replica killed mid-job (Ray restarts it) loses its rows in
     flight; they are resubmitted, stale results are dropped, every id is written once."""
