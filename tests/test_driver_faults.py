@@ -3,10 +3,11 @@ model): schema drift (3), silent loss on resume (4), duplicate ids after resume 
 waits (6), the output lease (7), a resume that reads no committed shard (9), slow rows (11).
 
 Each test fails on the code before issue 11 (checked with its real replica in place of the
-fake, as the old `run_job` had no `replica_cls`): the drifting file crashed the driver; the
-rerun exited cleanly without naming the lost rows; the earlier row of an id was flagged as the
-duplicate; the placement wait and the statistics call never returned; a second driver ran;
-the resume read (and choked on) a committed shard. The tests that need the new API (lease,
+fake, as the old `run_job` had no `replica_cls`): schema drift crashed the driver (KeyError:
+'Field "id" does not exist'); the earlier row of an id was flagged as the duplicate, so x had no
+completion (`[] == ['first x']`); the resume read a committed shard and died on it
+(ArrowInvalid); the rerun over a file unreadable now exited without an account of the lost rows.
+The tests that need the new API (lease,
 bounded waits, fake replica options) fail on the old code because it had none of it.
 Marked `slow`: the multi-job cases whose logic the no-Ray tests also cover.
 """
