@@ -7,9 +7,9 @@ fake, as the old `run_job` had no `replica_cls`): schema drift crashed the drive
 'Field "id" does not exist'); the earlier row of an id was flagged as the duplicate, so x had no
 completion (`[] == ['first x']`); the resume read a committed shard and died on it
 (ArrowInvalid); the rerun over a file unreadable now exited without an account of the lost rows.
-The tests that need the new API (lease,
-bounded waits, fake replica options) fail on the old code because it had none of it.
-Marked `slow`: the multi-job cases whose logic the no-Ray tests also cover.
+The tests that need the new API (lease, bounded waits, fake replica options) fail on the old
+code because it had none of it. Marked `slow`: the multi-job cases whose logic the no-Ray
+tests also cover.
 """
 
 import os
