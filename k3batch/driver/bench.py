@@ -80,7 +80,13 @@ def main(argv=None) -> None:
             engine=EngineConfig(max_seq_len=128),
         )
         # A Ray of our own: never join another local cluster (ray.init() would).
-        ray.init(address="local", num_cpus=2 * args.replicas + 4, include_dashboard=False)
+        for attempt in range(3):  # a busy host can miss Ray's fixed 30 s node-startup wait
+            try:
+                ray.init(address="local", num_cpus=2 * args.replicas + 4, include_dashboard=False)
+                break
+            except Exception as e:
+                print(f"ray.init failed ({e}); retrying", flush=True)
+                ray.shutdown()
         try:
             base_rss = peak_rss_mib()
             _timed("first run", spec, base_rss)
