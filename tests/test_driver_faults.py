@@ -115,7 +115,9 @@ def test_rerun_names_rows_lost_to_a_file_unreadable_now(cluster, model_dir, tmp_
     assert "INCOMPLETE" in again.summary() and "b.parquet: 2 rows" in again.summary()
 
 
-def test_first_occurrence_runs_even_when_its_duplicate_committed_first(cluster, model_dir, tmp_path):
+def test_first_occurrence_runs_even_when_its_duplicate_committed_first(
+    cluster, model_dir, tmp_path
+):
     inp = tmp_path / "in"
     inp.mkdir()
     _write(inp / "a.parquet", id=["x", "y"], prompt=["first x", "y"])
@@ -164,7 +166,9 @@ def test_unplaceable_job_fails_after_wait_timeout_naming_resources(cluster, mode
     assert time.monotonic() - t0 < 30
 
 
-def test_statistics_of_a_hung_replica_do_not_hang_the_end(cluster, model_dir, tmp_path, monkeypatch):
+def test_statistics_of_a_hung_replica_do_not_hang_the_end(
+    cluster, model_dir, tmp_path, monkeypatch
+):
     monkeypatch.setattr(replicas_mod, "STATS_TIMEOUT_S", 1.0)
     _write(tmp_path / "in.parquet", prompt=["p", "q"])
     t0 = time.monotonic()
