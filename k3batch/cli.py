@@ -130,7 +130,7 @@ def run(job, **flags):
         raise click.ClickException(str(e)) from None
     click.echo(report.summary())
     click.echo(f"output: {spec.output.path}\nreport: {spec.output.path}/_k3batch_report.json")
-    if report.unreadable_inputs:
+    if report.unreadable_inputs or not report.is_complete:
         raise SystemExit(2)
 
 

@@ -21,7 +21,10 @@ class JobReport:
     rows_with_error: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
-    unreadable_inputs: list[str] = field(default_factory=list)
+    unreadable_inputs: list[str] = field(default_factory=list)  # files/regions skipped, why
+    # Rows of the input with no output after this run, per file: {"file", "rows" (None:
+    # unknown), "batches", "why"}; empty when every input row has an output row.
+    missing: list[dict] = field(default_factory=list)
     replica_failures: int = 0
     rows_retried: int = 0
     rows_per_replica: list[int] = field(default_factory=list)
@@ -40,6 +43,11 @@ class JobReport:
         }
     )
     wall_s: float = 0.0
+
+    @property
+    def is_complete(self) -> bool:
+        """Every input row has an output row (an error row counts)."""
+        return not self.missing
 
     @property
     def rows_per_s(self) -> float:
@@ -82,6 +90,11 @@ class JobReport:
         if self.unreadable_inputs:
             lines.append("UNREADABLE input (rows not processed; fix and rerun to resume):")
             lines += [f"  {e}" for e in self.unreadable_inputs]
+        if self.missing:
+            lines.append("INCOMPLETE: input rows with no output row:")
+            for m in self.missing:
+                rows = "an unknown number of rows" if m["rows"] is None else f"{m['rows']} rows"
+                lines.append(f"  {m['file']}: {rows}; batches {m['batches']}: {m['why'][0]}")
         return "\n".join(lines)
 
 

@@ -1,14 +1,19 @@
 """ReplicaActor: one model replica as a Ray actor, behind the interface the driver uses.
 
-`await generate(items)` takes rows of work and returns one result dict per row, each carrying
-the row's key. Calls may overlap: one engine thread steps continuously over the requests of all
-calls in flight (continuous batching across calls). The single-device replica wraps `Engine`;
-the disaggregated replica (pipeline prefill, TP/DCP decode) keeps the same interface. Rows with
-bad values come back with an error; if the engine itself fails the process exits, so that Ray
-restarts the actor and the driver retries its rows.
+`submit(items)` hands rows of work to the replica and returns at once; `await take_results(
+max_wait_s)` returns the rows finished since the last call (one result dict per row, each
+carrying the row's key), waiting up to `max_wait_s` for at least one. One engine thread steps
+continuously over every submitted row (continuous batching), so a long row never holds back the
+others, and the driver refills the replica as rows come back (a bounded in-flight window). The
+replica keeps no state the driver needs: a restarted actor starts empty and the driver resubmits
+the rows it had in flight. The single-device replica wraps `Engine`; the disaggregated replica
+(pipeline prefill, TP/DCP decode) keeps the same interface. Rows with bad values come back with
+an error; if the engine itself fails the process exits, so that Ray restarts the actor and the
+driver retries its rows.
 """
 
 import asyncio
+import collections
 import logging
 import os
 import queue
@@ -53,6 +58,8 @@ class ReplicaActor:
         self.busy_s = 0.0
         self.rows = 0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: collections.deque = collections.deque()  # finished rows, engine -> caller
+        self._wake = self._wake_loop = None  # take_results' event, set by the engine thread
         self._next_id = 0
         threading.Thread(target=self._loop, daemon=True, name="engine").start()
 
@@ -68,53 +75,67 @@ class ReplicaActor:
             out["decode_group"] = self.engine.decode_runner.stats()
         return out
 
-    async def generate(self, items: list[tuple[object, list[int], SamplingParams]]) -> list[dict]:
-        """items: (key, prompt token ids, sampling). Returns dicts with key, generated_text,
-        output_token_ids, finish_reason, num_prompt_tokens, num_output_tokens, error, and
-        output_logprobs / prompt_logprobs when the sampling asked for them."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._inbox.put((items, loop, fut))
-        return await fut
+    def submit(self, items: list[tuple[object, list[int], SamplingParams]]) -> int:
+        """items: (key, prompt token ids, sampling). Queues them for the engine thread and
+        returns how many were queued; their results come back through `take_results`."""
+        self._inbox.put(items)
+        return len(items)
+
+    async def take_results(self, max_wait_s: float = 1.0) -> list[dict]:
+        """The rows finished since the last call, waiting up to `max_wait_s` for at least one:
+        dicts with key, generated_text, output_token_ids, finish_reason, num_prompt_tokens,
+        num_output_tokens, error, and output_logprobs / prompt_logprobs when asked for."""
+        if self._wake_loop is not asyncio.get_running_loop():
+            self._wake, self._wake_loop = asyncio.Event(), asyncio.get_running_loop()
+        self._wake.clear()  # before looking: a row appended after the look sets it again
+        if not self._outbox:
+            try:
+                await asyncio.wait_for(self._wake.wait(), max_wait_s)
+            except asyncio.TimeoutError:
+                pass
+        out = []
+        while self._outbox:
+            out.append(self._outbox.popleft())
+        return out
 
     # ---- engine thread --------------------------------------------------------------------
     def _loop(self) -> None:
-        calls = {}  # call id -> [loop, future, remaining, rows]
-        owner = {}  # request id -> (call id, key)
+        owner = {}  # request id -> key
         try:
             while True:
                 block = not self.engine.has_unfinished()
                 while True:
                     try:
-                        items, loop, fut = self._inbox.get(block=block)
+                        items = self._inbox.get(block=block)
                     except queue.Empty:
                         break
                     block = False
-                    cid = id(fut)
-                    calls[cid] = [loop, fut, len(items), []]
                     for key, ids, sp in items:
                         rid = str(self._next_id)
                         self._next_id += 1
-                        owner[rid] = (cid, key)
+                        owner[rid] = key
                         self.engine.add_request(rid, ids, sp)
-                    if not items:
-                        loop.call_soon_threadsafe(fut.set_result, [])
-                        del calls[cid]
+                if not self.engine.has_unfinished():
+                    continue
                 t0 = time.perf_counter()
                 finished = self.engine.step()
                 self.busy_s += time.perf_counter() - t0
                 self.rows += len(finished)
                 for res in finished:
-                    cid, key = owner.pop(res.request_id)
-                    call = calls[cid]
-                    call[3].append(self._row(key, res))
-                    call[2] -= 1
-                    if call[2] == 0:
-                        loop, fut, _, rows = calls.pop(cid)
-                        loop.call_soon_threadsafe(fut.set_result, rows)
+                    self._outbox.append(self._row(owner.pop(res.request_id), res))
+                if finished:
+                    self._wake_caller()
         except BaseException:  # the engine is broken: let Ray restart the actor
             log.exception("engine loop failed; exiting the replica process")
             os._exit(1)
+
+    def _wake_caller(self) -> None:
+        loop, wake = self._wake_loop, self._wake
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # that loop is closed; the next take_results makes a new one
+                pass
 
     def _row(self, key, res: GenerationResult) -> dict:
         row = {

@@ -1,19 +1,25 @@
 """Parquet input and output for batch jobs: `source` (input files -> deterministic units),
-`sink` (atomically committed output shards), `manifest` (what makes a resume safe)."""
+`sink` (atomically committed output shards), `manifest` (what makes a resume safe), `lease` (one
+job per output directory)."""
 
-from k3batch.io.manifest import MANIFEST_NAME, Manifest, open_manifest
+from k3batch.io.lease import LEASE_NAME, LeaseHeldError, OutputLease
+from k3batch.io.manifest import MANIFEST_NAME, Manifest, open_manifest, record_inputs
 from k3batch.io.sink import ShardSink, shard_name
 from k3batch.io.source import InputFile, Unit, count_rows, iter_units, resolve_input
 
 __all__ = [
+    "LEASE_NAME",
+    "LeaseHeldError",
     "MANIFEST_NAME",
     "InputFile",
     "Manifest",
+    "OutputLease",
     "ShardSink",
     "Unit",
     "count_rows",
     "iter_units",
     "open_manifest",
+    "record_inputs",
     "resolve_input",
     "shard_name",
 ]

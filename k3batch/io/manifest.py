@@ -31,6 +31,10 @@ class Manifest:
     batch_rows: int  # rows per unit, fixed at first start
     created_at: str  # ISO 8601, UTC
     version: int = MANIFEST_VERSION
+    # What the input must look like, from the first valid file at the first start (given by the
+    # driver); None until recorded. Each input_files entry also gets "num_rows" then (None for a
+    # file unreadable at the first start): what the end-of-run completeness check counts against.
+    input_schema: dict | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -39,7 +43,7 @@ class Manifest:
     def from_dict(cls, data: dict, *, where: str) -> Manifest:
         """Parse a manifest read from `where`; ValueError naming it if malformed."""
         names = {f.name for f in dataclasses.fields(cls)}
-        required = names - {"version"}
+        required = names - {"version", "input_schema"}
         if not isinstance(data, dict) or not required <= data.keys():
             missing = sorted(required - data.keys()) if isinstance(data, dict) else "all"
             raise ValueError(f"malformed manifest {where}: missing keys {missing}")
@@ -54,6 +58,13 @@ class Manifest:
         if not isinstance(data["batch_rows"], int) or data["batch_rows"] < 1:
             raise ValueError(f"malformed manifest {where}: batch_rows = {data['batch_rows']!r}")
         return cls(**{k: v for k, v in data.items() if k in names})
+
+    def num_rows(self) -> list[int | None] | None:
+        """Recorded row count per input file (None where unreadable then), or None if the
+        counts were never recorded (see `record_inputs`)."""
+        if self.input_schema is None:
+            return None
+        return [f.get("num_rows") for f in self.input_files]
 
     def files(self) -> list[InputFile]:
         """The recorded input files as InputFile, indexed in recorded order."""
@@ -137,6 +148,21 @@ def open_manifest(
             num_new,
         )
     return manifest, manifest.files()
+
+
+def record_inputs(
+    sink: ShardSink, manifest: Manifest, *, num_rows: list[int | None], input_schema: dict
+) -> Manifest:
+    """Record the input's row counts and schema contract in the manifest, once: a manifest that
+    holds them already is returned as is (the first start's facts stay the reference)."""
+    if manifest.input_schema is not None:
+        return manifest
+    if len(num_rows) != len(manifest.input_files):
+        raise ValueError(f"{len(num_rows)} row counts for {len(manifest.input_files)} files")
+    files = [f | {"num_rows": n} for f, n in zip(manifest.input_files, num_rows)]
+    manifest = dataclasses.replace(manifest, input_files=files, input_schema=input_schema)
+    sink.write_json(MANIFEST_NAME, manifest.to_dict())
+    return manifest
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -205,9 +205,10 @@ def iter_units(
       - footer (or open) error: the unit is batch 0. `skip` applies: if batch 0 is committed the
         file yields nothing, so a file that was readable in an earlier run and is unreadable now
         is only visible through `count_rows` (None). Callers check completeness against it.
-      - read error midway: the unit is the first not-skipped batch not yet complete, and no
-        later units of that file follow. A resume (that unit committed) retries the rest, so a
-        persistent bad region costs at most one error unit per resume, and progress is made.
+      - read error midway (a bad row group): one error unit, the first not-skipped batch with
+        rows in the row group's unread part; every batch with rows there is lost for this run
+        (named in `error`), and the file goes on with its next row group, so the units after a
+        bad row group are still produced.
     """
     if not isinstance(batch_rows, int) or batch_rows < 1:
         raise ValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
@@ -282,10 +283,19 @@ def _rechunk(
                 if rb is None and pos != rg_end:
                     raise ValueError(f"row group {r} ended after {pos - rg_start} of {n} rows")
             except Exception as e:
-                b = next((b for b in range(pos // batch_rows, num_batches) if wanted[b]), None)
-                if b is not None:
-                    yield _error_unit(f, b, batch_rows, f"read error at row {pos}", e)
-                return
+                # Every wanted batch with rows in this row group's unread part is lost (reported
+                # once, as its first); the file goes on with the next row group.
+                lost = [b for b in range(pos // batch_rows, last_b + 1) if wanted[b]]
+                if lost:
+                    what = (
+                        f"read error at row {pos} (row group {r}, rows {rg_start}-{rg_end - 1}; "
+                        f"batches {lost[0]}-{lost[-1]} skipped)"
+                    )
+                    yield _error_unit(f, lost[0], batch_rows, what, e)
+                for b in lost:
+                    wanted[b] = False
+                pending = []
+                break
             if rb is None:
                 break
             offset = 0  # within rb

@@ -227,12 +227,15 @@ def test_iter_units_corrupt_files_between_good_ones(tmp_path):
 
 
 def test_iter_units_read_error_midway(tmp_path):
+    """A bad row group costs the batches with rows in it, not the rest of the file (issue 11,
+    defect 4). Fails with the old `return` after the first read error: units 8 and 9 missing."""
     path = write_rows(tmp_path / "a.parquet", 200, row_group_size=50)
     _corrupt_row_group(path, 2)  # rows 100..149
     write_rows(tmp_path / "b.parquet", 5, start=900)
     fs, files = resolve_input(str(tmp_path))
     assert count_rows(fs, files) == [200, 5]  # the footer is intact
     units = list(iter_units(fs, files, batch_rows=20))
+    # batches 5, 6 lie in row group 2, batch 7 (rows 140..159) straddles it: all three lost
     assert [(u.file.index, u.batch_idx, u.table is None) for u in units] == [
         (0, 0, False),
         (0, 1, False),
@@ -240,14 +243,20 @@ def test_iter_units_read_error_midway(tmp_path):
         (0, 3, False),
         (0, 4, False),
         (0, 5, True),
+        (0, 8, False),
+        (0, 9, False),
         (1, 0, False),
     ]
     err = units[5]
     assert err.row_offset == 100 and "a.parquet" in err.error and "row 100" in err.error
-    # Resuming with the error unit committed reports the next not-committed batch.
+    assert "batches 5-7" in err.error
+    assert ids_of(units[6:8]) == list(range(160, 200))
+    # Resuming with batch 5 committed reports the next not-committed batch of the bad region.
     units = list(iter_units(fs, files, 20, skip=lambda f, b: f == 0 and b <= 5))
     assert [(u.file.index, u.batch_idx, u.table is None) for u in units] == [
         (0, 6, True),
+        (0, 8, False),
+        (0, 9, False),
         (1, 0, False),
     ]
 

@@ -1,0 +1,23 @@
+"""run_job(spec): Parquet in, Parquet out, through N replica actors on a Ray cluster.
+
+Flow: survey the input files (each checked against the job's input contract) -> cut the valid
+ones into units of `batch_rows` rows (numbered by file and batch, fixed by the manifest) ->
+tokenize each unit in a Ray CPU task -> stream its rows to the replicas, each holding at most
+`max_inflight_rows` rows and refilled as rows come back -> when every row of a unit is back,
+write the unit's shard (atomic rename = commit) -> account for every input row.
+Guarantees: each input row is written exactly once, even across SIGKILLs of the driver (a rerun
+skips committed units and redoes the rest) and replica deaths (Ray restarts the actor, the
+driver resubmits its rows, at most `max_retries` times, then marks them failed); of rows sharing
+an id, the first in input order runs, always. One driver per output directory (a lease). Memory
+is bounded by the open units plus a fixed cache, at any input size. Every wait is bounded.
+
+Modules: `job` (run_job: setup and teardown), `inputs` (survey, schema contract), `ids`
+(first occurrences, on disk), `intake` (units -> rows), `dispatch` (rows <-> replicas),
+`health` (replica states, probes), `commit` (shards, completeness), `loop` (joins them),
+`replicas` (startup, bounded waits, statistics), `fake` (an instant replica for tests and the
+benchmark), `bench` (driver memory and time at scale).
+"""
+
+from k3batch.driver.job import run_job
+
+__all__ = ["run_job"]

@@ -1,0 +1,114 @@
+"""Dispatch: rows to replicas within a bounded in-flight window, results back row by row.
+
+Each replica that is up holds at most `window` rows. `pump()` tops every window up from the row
+queue (`submit`) and keeps one `take_results` call outstanding per replica that has rows; each
+answer frees the rows it returns, so the next `pump()` refills the replica at once: a slow row
+holds its own slot only. A row's key is (file index, batch index, row index, attempt): a
+result whose key is not in flight any more (an earlier attempt's, after a retry) is dropped.
+When a replica fails (a call raises, or a `take_results` is not answered within
+`reply_timeout_s`), its in-flight rows go back to the front of the queue with attempt + 1,
+or are finished with an error after `max_retries` retries; calls of its earlier epochs are
+ignored.
+"""
+
+import logging
+import time
+from collections import deque
+
+import ray
+
+from k3batch.driver.health import Health
+from k3batch.driver.intake import GET_TIMEOUT_S, error_row
+from k3batch.prompts import RowWork
+
+log = logging.getLogger(__name__)
+
+TAKE_MAX_WAIT_S = 0.5  # how long a take_results call waits on the replica for a first row
+
+
+class Dispatcher:
+    def __init__(self, replicas, health: Health, *, window: int, max_retries: int, report,
+                 reply_timeout_s: float = 300.0):  # fmt: skip
+        self.replicas, self.health, self.report = replicas, health, report
+        self.window, self.max_retries, self.reply_timeout_s = window, max_retries, reply_timeout_s
+        self.queue: deque = deque()  # (file, batch, row, attempt), RowWork
+        self.inflight: list[dict] = [{} for _ in replicas]  # (file, batch, row) -> attempt, work
+        self.epoch = [0] * len(replicas)
+        self.calls: dict = {}  # ref -> (replica, epoch, kind "submit" | "take", sent at)
+        self.done: list = []  # ((file, batch, row), output row) finished, for the caller to take
+
+    def add(self, key: tuple[int, int], works: list[RowWork]) -> None:
+        self.queue.extend(((*key, w.row_idx, 0), w) for w in works)
+
+    def refs(self) -> list:
+        return list(self.calls)
+
+    def pump(self) -> None:
+        """Top up every up replica's window; keep one take_results call per busy replica."""
+        busy = {(r, e) for r, e, kind, _ in self.calls.values() if kind == "take"}
+        for r in self.health.up():
+            room = self.window - len(self.inflight[r])
+            if room > 0 and self.queue:
+                batch = [self.queue.popleft() for _ in range(min(room, len(self.queue)))]
+                for (f, b, i, attempt), w in batch:
+                    self.inflight[r][(f, b, i)] = (attempt, w)
+                items = [(key, w.prompt_token_ids, w.sampling) for key, w in batch]
+                self._call(r, "submit", self.replicas[r].submit.remote(items))
+                peak = max(self.report.peak_inflight_rows, len(self.inflight[r]))
+                self.report.peak_inflight_rows = peak
+            if self.inflight[r] and (r, self.epoch[r]) not in busy:
+                self._call(r, "take", self.replicas[r].take_results.remote(TAKE_MAX_WAIT_S))
+        now = time.monotonic()
+        for ref, (r, e, kind, sent) in list(self.calls.items()):
+            if now - sent <= self.reply_timeout_s:
+                continue
+            del self.calls[ref]
+            if e == self.epoch[r]:
+                log.error("replica %d: no answer to %s in %.0f s; restarting it", r, kind,
+                          self.reply_timeout_s)  # fmt: skip
+                ray.kill(self.replicas[r], no_restart=False)  # a hung engine must not come back
+                self._failed(r, TimeoutError(f"no answer to {kind} in {self.reply_timeout_s} s"))
+
+    def take_done(self) -> list[tuple[tuple[int, int, int], dict]]:
+        """((file, batch, row), output row) of the rows finished since the last call."""
+        done, self.done = self.done, []
+        return done
+
+    def _call(self, r: int, kind: str, ref) -> None:
+        self.calls[ref] = (r, self.epoch[r], kind, time.monotonic())
+
+    def on_ready(self, ref) -> None:
+        """Handle a finished call (its rows go to `take_done`)."""
+        r, e, kind, _ = self.calls.pop(ref)
+        try:
+            answer = ray.get(ref, timeout=GET_TIMEOUT_S)
+        except (ray.exceptions.RayError, TimeoutError) as err:
+            if e == self.epoch[r]:
+                self._failed(r, err)
+            return
+        if kind == "submit":
+            return
+        for row in answer:
+            f, b, i, attempt = row.pop("key")
+            held = self.inflight[r].get((f, b, i))
+            if held is not None and held[0] == attempt:  # else: a stale attempt's result
+                del self.inflight[r][(f, b, i)]
+                self.done.append(((f, b, i), row))
+
+    def _failed(self, r: int, err: Exception) -> None:
+        """Replica r failed: its rows are retried, or failed for good after max_retries."""
+        self.health.failed(r, err)
+        self.epoch[r] += 1
+        lost, self.inflight[r] = self.inflight[r], {}
+        if lost:
+            log.warning("replica %d failed (%s: %s); %d rows in flight",
+                        r, type(err).__name__, err, len(lost))  # fmt: skip
+        retry = []
+        for (f, b, i), (attempt, w) in sorted(lost.items()):
+            if attempt < self.max_retries:
+                retry.append(((f, b, i, attempt + 1), w))
+            else:
+                msg = f"replica failed {attempt + 1} times: {type(err).__name__}: {err}"
+                self.done.append(((f, b, i), error_row(msg)))
+        self.report.rows_retried += len(retry)
+        self.queue.extendleft(reversed(retry))

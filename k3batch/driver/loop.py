@@ -1,0 +1,77 @@
+"""The driver's event loop: intake, dispatch, health and commit joined by one bounded wait.
+
+Each turn: open units while fewer than `max_open` are open (intake), top up the replicas
+(dispatch), probe replicas that are down (health), then wait at most `WAIT_S` for any call or
+task to finish and hand each to its owner; a unit whose rows are all finished is committed. The
+loop ends when the input is exhausted and no unit is open. Open units bound driver memory: at
+most enough to fill every replica's window, plus one.
+"""
+
+import ray
+
+from k3batch.driver.commit import Committer
+from k3batch.driver.dispatch import Dispatcher
+from k3batch.driver.health import Health
+from k3batch.driver.intake import Intake, OpenUnit
+
+WAIT_S = 1.0
+
+
+class Loop:
+    def __init__(self, intake: Intake, dispatch: Dispatcher, health: Health, commit: Committer,
+                 *, max_open: int, progress, report):  # fmt: skip
+        self.intake, self.dispatch, self.health, self.commit = intake, dispatch, health, commit
+        self.max_open, self.progress, self.report = max_open, progress, report
+        self.open: dict[tuple[int, int], OpenUnit] = {}
+
+    def run(self) -> None:
+        while True:
+            self._fill()
+            self.dispatch.pump()
+            self._finish(self.dispatch.take_done())
+            if self.intake.exhausted and not self.open:
+                break
+            self.health.send_probes()
+            refs = [*self.intake.tok_refs, *self.dispatch.refs(), *self.health.refs()]
+            ready, _ = ray.wait(refs, num_returns=1, timeout=WAIT_S) if refs else ([], [])
+            if ready:  # and whatever else is ready by now
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            for ref in ready:
+                if ref in self.intake.tok_refs:
+                    state = self.open[self.intake.tok_refs[ref]]
+                    self.dispatch.add(state.key, self.intake.on_tokenized(ref, state))
+                    self._maybe_commit(state)
+                elif ref in self.health.probes:
+                    self.health.on_probe(ref)
+                else:
+                    self.dispatch.on_ready(ref)
+            self._finish(self.dispatch.take_done())
+            self.report.replica_failures = self.health.failures
+            self.progress.update(self._done_rows(), self.report.output_tokens)
+        self.progress.update(self._done_rows(), self.report.output_tokens, final=True)
+
+    def _fill(self) -> None:
+        while not self.intake.exhausted and len(self.open) < self.max_open:
+            state = self.intake.open_next()
+            if state is not None:
+                self.open[state.key] = state
+                self.report.peak_open_units = max(self.report.peak_open_units, len(self.open))
+                self._maybe_commit(state)  # every row failed at intake (ids)
+
+    def _finish(self, done) -> None:
+        touched = {}
+        for (f, b, i), row in done:
+            state = self.open[(f, b)]
+            state.finish(i, row)
+            touched[(f, b)] = state
+        for state in touched.values():
+            self._maybe_commit(state)
+
+    def _maybe_commit(self, state: OpenUnit) -> None:
+        if state.key in self.intake.tok_refs.values():
+            return  # still tokenizing: rows not known yet
+        if self.commit.maybe_commit(state):
+            del self.open[state.key]
+
+    def _done_rows(self) -> int:
+        return self.report.rows_skipped_resumed + self.report.rows_written

@@ -1,0 +1,53 @@
+"""The output directory's lease (issue 11, defect 7): a second driver is refused naming the
+holder; a stale lease is taken over; a holder whose lease was taken finds out. Fails on the old
+code: there was no lease at all (two drivers deleted each other's temp files)."""
+
+import json
+import time
+
+import pytest
+
+from k3batch.io import LEASE_NAME, LeaseHeldError, OutputLease, ShardSink
+
+
+def test_second_holder_is_refused_naming_the_first(tmp_path):
+    sink = ShardSink(str(tmp_path / "out"))
+    with OutputLease(sink, job="first-job", settle_s=0):
+        held = json.loads((tmp_path / "out" / LEASE_NAME).read_text())
+        assert held["job"] == "first-job" and held["heartbeat_at"] > 0
+        with pytest.raises(LeaseHeldError, match="in use by job 'first-job'.*pid"):
+            OutputLease(sink, job="second-job", settle_s=0).acquire()
+    assert not (tmp_path / "out" / LEASE_NAME).exists()  # released
+    with OutputLease(sink, job="second-job", settle_s=0):
+        pass
+
+
+def test_stale_lease_is_taken_over_and_the_old_holder_notices(tmp_path):
+    sink = ShardSink(str(tmp_path / "out"))
+    old = OutputLease(sink, job="old", heartbeat_s=0.05, stale_after_s=0.3, settle_s=0)
+    old.acquire()
+    old._stop.set()  # the old driver stalls: no more heartbeats
+    old._thread.join()
+    time.sleep(0.4)
+    new = OutputLease(sink, job="new", heartbeat_s=0.05, stale_after_s=0.3, settle_s=0)
+    new.acquire()
+    assert json.loads((tmp_path / "out" / LEASE_NAME).read_text())["job"] == "new"
+    old._stop.clear()
+    old._beat_once()
+    assert old.lost
+    with pytest.raises(RuntimeError, match="lost the lease"):
+        old.check()
+    old.release()  # does not delete the new holder's lease
+    assert json.loads((tmp_path / "out" / LEASE_NAME).read_text())["job"] == "new"
+    new.release()
+
+
+def test_heartbeat_keeps_a_live_lease_fresh(tmp_path):
+    sink = ShardSink(str(tmp_path / "out"))
+    with OutputLease(sink, job="j", heartbeat_s=0.05, stale_after_s=0.5, settle_s=0):
+        first = json.loads((tmp_path / "out" / LEASE_NAME).read_text())["heartbeat_at"]
+        time.sleep(0.7)  # longer than stale_after_s: only heartbeats keep it held
+        now = json.loads((tmp_path / "out" / LEASE_NAME).read_text())["heartbeat_at"]
+        assert now > first
+        with pytest.raises(LeaseHeldError):
+            OutputLease(sink, job="other", stale_after_s=0.5, heartbeat_s=0.05).acquire()
