@@ -247,6 +247,8 @@ class _Loop:
         self.health = ["up"] * len(replicas)
         self.probes: dict = {}  # ready() ref -> replica index
         self.probe_at: dict[int, float] = {}  # replica index -> when to probe next
+        self.no_replica_since: float | None = None  # see _wait_for_a_replica
+        self.wait_logged_at = 0.0
 
     def run(self, units) -> None:
         exhausted = False
@@ -267,6 +269,7 @@ class _Loop:
             if exhausted and not self.open:
                 break
             self._send_probes()
+            self._wait_for_a_replica()
             refs = [*self.tok_refs, *self.gen_refs, *self.probes]
             ready, _ = ray.wait(refs, num_returns=1, timeout=1.0)
             for ref in ready:
@@ -373,6 +376,30 @@ class _Loop:
         elif self.health[r] == "up":
             self.health[r] = "down"
             self.probe_at[r] = time.monotonic()
+
+    def _wait_for_a_replica(self) -> None:
+        """With no replica up (nodes lost, replicas restarting where Ray can re-place their
+        placement groups), say so every 30 s, and fail after replicas.wait_timeout_s."""
+        if "up" in self.health:
+            self.no_replica_since = None
+            return
+        now, r = time.monotonic(), self.spec.replicas
+        if self.no_replica_since is None:
+            self.no_replica_since = now
+        waited = now - self.no_replica_since
+        need = f"each replica needs pp = {r.pp} stage and tp = {r.tp} rank device(s) ({r.device})"
+        if waited > r.wait_timeout_s:
+            raise RuntimeError(
+                f"no replica up for {waited:.0f} s (replicas.wait_timeout_s = "
+                f"{r.wait_timeout_s:g}); gave up waiting for resources: {need}"
+            )
+        if waited >= 10 and now - self.wait_logged_at >= 30:  # not for a quick restart
+            self.wait_logged_at = now
+            log.warning(
+                "no replica is up (%s); waiting for resources, %.0f of %g s "
+                "(replicas.wait_timeout_s): %s",
+                ", ".join(self.health), waited, r.wait_timeout_s, need,
+            )
 
     def _send_probes(self) -> None:
         now = time.monotonic()

@@ -59,6 +59,7 @@ class ReplicaSpec:
     accelerator_type: str | None = None  # e.g. "H200": lets the autoscaler pick node types
     max_inflight_rows: int = 64  # rows dispatched to one replica and not yet returned
     max_retries: int = 3  # per unit of rows lost to a replica failure
+    wait_timeout_s: float = 600.0  # no replica up: wait this long for resources, then fail
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
