@@ -396,8 +396,8 @@ class _Loop:
         if waited >= 10 and now - self.wait_logged_at >= 30:  # not for a quick restart
             self.wait_logged_at = now
             log.warning(
-                "no replica is up (%s); waiting for resources, %.0f of %g s "
-                "(replicas.wait_timeout_s): %s",
+                "no replica is up (%s); waiting for one to be rebuilt or for resources, "
+                "%.0f of %g s (replicas.wait_timeout_s): %s",
                 ", ".join(self.health), waited, r.wait_timeout_s, need,
             )
 

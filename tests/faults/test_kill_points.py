@@ -16,6 +16,7 @@ tests/test_job.py: batched fp32 math is not batch-invariant).
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -31,7 +32,9 @@ from ray.util.state import list_actors
 from k3batch.model.weights import init_checkpoint
 
 NUM_ROWS = 12
-RUN_TIMEOUT_S = 300  # one run of the job, kills included; a run that takes longer has hung
+# One run of the job, kills and rebuilds included; a run that takes longer has hung. Generous:
+# a rebuild starts five processes that import torch, minutes on a loaded 2-core machine.
+RUN_TIMEOUT_S = 900
 VICTIM_CLASSES = {"replica": "ReplicaActor", "prefill": "PrefillStageActor",
                   "decode": "DecodeRankActor"}  # fmt: skip
 
@@ -71,7 +74,7 @@ device = "cpu"
 pp = {pp}
 tp = {tp}
 max_inflight_rows = 2
-max_retries = 3
+max_retries = 10
 [engine]
 max_num_seqs = 1
 max_seq_len = 128
@@ -108,9 +111,11 @@ def _committed(out: Path) -> int:
     return sum(pq.read_metadata(p).num_rows for p in out.glob("*.parquet")) if out.is_dir() else 0
 
 
-def _alive(cls: str, job_name: str) -> list:
-    """ALIVE actors of `cls` that belong to the job whose replica is named job_name/replica-0."""
+def _alive(cls: str, job_name: str, address: str) -> list:
+    """ALIVE actors of `cls` that belong to the job whose replica is named job_name/replica-0
+    (Ray at `address`: other Ray instances may run on this machine)."""
     replicas = list_actors(
+        address=address,
         filters=[("name", "=", f"{job_name}/replica-0"), ("state", "=", "ALIVE")],
         raise_on_missing_output=False,
     )
@@ -119,6 +124,7 @@ def _alive(cls: str, job_name: str) -> list:
     if cls == "ReplicaActor":
         return replicas
     return list_actors(
+        address=address,
         filters=[
             ("class_name", "=", cls),
             ("state", "=", "ALIVE"),
@@ -130,48 +136,73 @@ def _alive(cls: str, job_name: str) -> list:
 
 @dataclass
 class KillResult:
-    point_s: float  # seconds after the driver started when the kill landed (None: job ended)
     victim: str
-    committed_at_kill: int
-    retried: int  # rows the driver resubmitted after a replica failure
-    rerun_rows: int  # rows the rerun wrote
-    wall_s: float
+    round: int  # output directory: kills left when a job ends go to a new round
+    point_s: float  # seconds into the run when the kill landed
+    committed_at_kill: int  # rows committed (this round, all runs so far) at the kill
+    retried_at_kill: int  # rows the driver had resubmitted so far (this round's log)
+    at: float = 0.0  # time.monotonic() of the kill
+    redone: int | None = None  # rows resubmitted because of this kill (None: driver kill)
+    wall_s: float = 0.0  # from this kill to the next one or to the end of its round
 
 
-def kill_once(tmp, model_dir, inp, head, name, victim: str, point_s: float, rng) -> KillResult:
-    """Run the job, SIGKILL `victim` `point_s` seconds in, let the run end, rerun it."""
-    job = _job(tmp, model_dir, inp, name, pp=2, tp=2)
-    out = tmp / name
-    t0 = time.monotonic()
-    deadline = t0 + RUN_TIMEOUT_S
-    proc = _start(job, head)
-    landed, committed = None, 0
-    while proc.poll() is None and landed is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-        if time.monotonic() - t0 < point_s:
-            continue
-        if victim == "driver":
-            pid = proc.pid
-        else:
-            actors = _alive(VICTIM_CLASSES[victim], name)
-            if not actors:
+def _retried(log: Path) -> int:
+    """Rows the driver resubmitted so far: its "...; retrying N rows" warnings."""
+    text = log.read_text() if log.exists() else ""
+    return sum(int(m) for m in re.findall(r"; retrying (\d+) rows", text))
+
+
+def run_with_kills(tmp, model_dir, inp, head, name, victims, delays,
+                   progress: str | None = None) -> tuple[list, list[Path]]:  # fmt: skip
+    """Run the pp = 2, tp = 2 job and SIGKILL victims[i] delays[i] seconds after the previous
+    kill (once such a victim is alive); after a driver kill, rerun. Kills left when the job ends
+    go to a new round (a fresh output directory). Rows redone by a member kill are the rows the
+    driver reports retrying until the next kill; a driver kill loses its open units' rows,
+    which the rerun generates again (no report: shown as "-")."""
+    results: list[KillResult] = []
+    outs = []
+    while len(results) < len(victims):
+        rnd = len(outs)
+        job = _job(tmp, model_dir, inp, f"{name}-{rnd}", pp=2, tp=2)
+        out, log = tmp / job.stem, job.with_suffix(".log")
+        outs.append(out)
+        proc, t_run = _start(job, head), time.monotonic()
+        last = t_run
+        while proc.poll() is None:
+            assert time.monotonic() - t_run < RUN_TIMEOUT_S, f"a run of the job hung: {log}"
+            time.sleep(0.2)
+            i = len(results)
+            if i == len(victims) or time.monotonic() - last < delays[i]:
                 continue
-            pid = rng.choice(actors).pid
-        committed = _committed(out)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            continue
-        landed = time.monotonic() - t0
-    rc = _finish(proc, deadline)
-    retried = _report(out).get("rows_retried", 0) if rc == 0 else 0
-    rerun_rows = 0
-    if rc != 0 or victim == "driver":
-        before = _committed(out)
-        rc = _finish(_start(job, head), time.monotonic() + RUN_TIMEOUT_S)
-        assert rc == 0, job.with_suffix(".log").read_text()[-3000:]
-        rerun_rows = _committed(out) - before
-    return KillResult(landed, victim, committed, retried, rerun_rows, time.monotonic() - t0)
+            if victims[i] == "driver":
+                pid = proc.pid
+            else:
+                actors = _alive(VICTIM_CLASSES[victims[i]], job.stem, head.gcs_address)
+                if not actors:
+                    continue
+                pid = random.Random(i).choice(actors).pid
+            kill = KillResult(victims[i], rnd, 0.0, _committed(out), _retried(log))
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            kill.at = last = time.monotonic()
+            kill.point_s = kill.at - t_run
+            results.append(kill)
+            if progress is not None:
+                with open(progress, "a") as f:
+                    f.write(f"{len(results) - 1} {kill}\n")
+            if victims[i] == "driver":
+                _finish(proc, t_run + RUN_TIMEOUT_S)
+                proc, t_run = _start(job, head), time.monotonic()
+        assert proc.returncode == 0, log.read_text()[-3000:]
+        mine = [r for r in results if r.round == rnd]
+        ends = [(n.at, n.retried_at_kill) for n in mine[1:]] + [(time.monotonic(), _retried(log))]
+        for r, (t_next, retried_next) in zip(mine, ends):
+            r.wall_s = t_next - r.at
+            if r.victim != "driver":
+                r.redone = retried_next - r.retried_at_kill
+    return results, outs
 
 
 def check_output(out: Path, ref: dict) -> None:
@@ -183,59 +214,59 @@ def check_output(out: Path, ref: dict) -> None:
     assert not bad, f"tokens differ from the uninterrupted run for {bad}"
 
 
-def reference(tmp, model_dir, inp, head, *, pp: int, tp: int) -> tuple[dict, float]:
-    job = _job(tmp, model_dir, inp, f"ref-pp{pp}-tp{tp}", pp=pp, tp=tp)
-    t0 = time.monotonic()
-    rc = _finish(_start(job, head), t0 + RUN_TIMEOUT_S)
+def reference(tmp, model_dir, inp, head) -> dict:
+    """The uninterrupted single-device run (tests/test_job.py: pp/tp runs equal it exactly)."""
+    job = _job(tmp, model_dir, inp, "ref", pp=1, tp=1)
+    rc = _finish(_start(job, head), time.monotonic() + RUN_TIMEOUT_S)
     assert rc == 0, job.with_suffix(".log").read_text()[-3000:]
-    rows = _rows(tmp / f"ref-pp{pp}-tp{tp}")
-    return {r["id"]: r["output_token_ids"] for r in rows}, time.monotonic() - t0
+    return {r["id"]: r["output_token_ids"] for r in _rows(tmp / "ref")}
 
 
 def format_table(results: list[KillResult]) -> str:
     lines = [
-        f"{'#':>3} {'victim':>8} {'kill at s':>9} {'committed':>9} {'retried':>7} "
-        f"{'rerun wrote':>11} {'wall s':>7}"
+        f"{'#':>3} {'victim':>8} {'round':>5} {'kill at s':>9} {'committed':>9} "
+        f"{'rows redone':>11} {'wall s':>7}"
     ]
     for i, r in enumerate(results):
-        at = "ended" if r.point_s is None else f"{r.point_s:.1f}"
+        redone = "-" if r.redone is None else str(r.redone)
         lines.append(
-            f"{i:>3} {r.victim:>8} {at:>9} {r.committed_at_kill:>9} {r.retried:>7} "
-            f"{r.rerun_rows:>11} {r.wall_s:>7.1f}"
+            f"{i:>3} {r.victim:>8} {r.round:>5} {r.point_s:>9.1f} {r.committed_at_kill:>9} "
+            f"{redone:>11} {r.wall_s:>7.1f}"
         )
     return "\n".join(lines)
 
 
-def test_killed_stage_and_rank_are_rebuilt_exactly_once(cluster, model_dir, job_input, tmp_path):
-    """The fast subset: a prefill stage, then (another job) a decode rank, killed mid-job; the
-    single-device run is the reference (tests/test_job.py shows pp/tp runs equal it).
-    Old code: a stage killed while the replica idles between calls is noticed only by the
-    next call; one killed during the replica's rebuild hangs spawn_group forever."""
-    ref, wall = reference(tmp_path, model_dir, job_input, cluster, pp=1, tp=1)
-    rng = random.Random(0)
-    results = []
-    for victim in ("prefill", "decode"):
-        r = kill_once(tmp_path, model_dir, job_input, cluster, f"fast-{victim}", victim, 0, rng)
-        check_output(tmp_path / f"fast-{victim}", ref)
-        results.append(r)
+def test_killed_decode_rank_is_rebuilt_exactly_once(cluster, model_dir, job_input, tmp_path):
+    """The fast subset: one decode rank killed as soon as it is up (test_group_health.py kills
+    stages and ranks of an idle replica)."""
+    ref = reference(tmp_path, model_dir, job_input, cluster)
+    results, outs = run_with_kills(
+        tmp_path, model_dir, job_input, cluster, "fast", ["decode"], [0.0]
+    )
     print("\n" + format_table(results))
-    assert all(r.point_s is not None for r in results), "the kill landed after the job's end"
+    for out in outs:
+        check_output(out, ref)
 
 
 @pytest.mark.slow
 def test_twenty_random_kill_points(cluster, model_dir, job_input, tmp_path):
-    """20 random (victim, time) points over the uninterrupted pp = 2, tp = 2 run's duration."""
-    ref, wall = reference(tmp_path, model_dir, job_input, cluster, pp=2, tp=2)
+    """20 kills at random points, victims in turn (replica, prefill, decode, driver)."""
+    ref = reference(tmp_path, model_dir, job_input, cluster)
     rng = random.Random(11)
-    results = []
-    for i in range(20):
-        victim = ("driver", "replica", "prefill", "decode")[i % 4]
-        point = rng.uniform(0.1, 0.9) * wall
-        r = kill_once(tmp_path, model_dir, job_input, cluster, f"kill{i}", victim, point, rng)
-        check_output(tmp_path / f"kill{i}", ref)
-        results.append(r)
-        print(f"point {i}: {r}", flush=True)
-    table = f"uninterrupted pp = 2, tp = 2 run: {wall:.1f} s\n" + format_table(results)
+    victims = [("replica", "prefill", "decode", "driver")[i % 4] for i in range(20)]
+    delays = [rng.uniform(1.0, 20.0) for _ in victims]
+    t0 = time.monotonic()
+    progress = os.environ.get("K3_FAULTS_TABLE")
+    results, outs = run_with_kills(
+        tmp_path, model_dir, job_input, cluster, "kill", victims, delays,
+        progress=progress and progress + ".partial",
+    )  # fmt: skip
+    for out in outs:
+        check_output(out, ref)
+    table = (
+        f"20 kills in a pp = 2, tp = 2 job of {NUM_ROWS} rows, {len(outs)} round(s), "
+        f"{time.monotonic() - t0:.0f} s in all\n" + format_table(results)
+    )
     print("\n" + table)
     if os.environ.get("K3_FAULTS_TABLE"):
         Path(os.environ["K3_FAULTS_TABLE"]).write_text(table + "\n")

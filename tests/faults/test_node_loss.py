@@ -48,7 +48,7 @@ def two_node_cluster():
         head_node_args=dict(
             num_cpus=0,
             temp_dir=temp_dir,
-            port=_free_port(),
+            gcs_server_port=_free_port(),
             include_dashboard=True,
             dashboard_port=_free_port(),
             dashboard_agent_listen_port=_free_port(),
@@ -122,8 +122,9 @@ def _wait(proc: subprocess.Popen, timeout_s: float) -> int:
         pytest.fail(f"the job did not end within {timeout_s} s")
 
 
-def _replica(name: str):
+def _replica(name: str, address: str):
     found = list_actors(
+        address=address,
         filters=[("name", "=", f"{name}/replica-0"), ("state", "=", "ALIVE")],
         raise_on_missing_output=False,
     )
@@ -133,7 +134,7 @@ def _replica(name: str):
 def _remove_replica_node(cluster, workers, name: str, out: Path, deadline: float) -> str:
     """Once the job has committed a shard, remove the node its replica runs on."""
     while time.monotonic() < deadline:
-        replica = _replica(name)
+        replica = _replica(name, cluster.address)
         if replica is not None and out.is_dir() and any(out.glob("*.parquet")):
             node = next(w for w in workers if w.node_id == replica.node_id)
             cluster.remove_node(node, allow_graceful=False)
@@ -165,7 +166,9 @@ def test_node_loss_rebuilds_the_replica_on_the_other_node(two_node_cluster, mode
     report = json.loads((tmp_path / "nodeloss" / "_k3batch_report.json").read_text())
     assert report["replica_failures"] >= 1, report
     survivors = {w.node_id for w in workers} - {lost}
-    members = list_actors(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+    members = list_actors(
+        address=cluster.address, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False
+    )
     assert all(a.node_id in survivors for a in members)
     print(f"\nnode loss: {report['rows_retried']} rows retried, {time.monotonic() - t0:.1f} s")
 
@@ -183,5 +186,6 @@ def test_no_node_left_waits_a_bounded_time(two_node_cluster, model_dir, tmp_path
     removed = time.monotonic()
     rc = _wait(proc, 120)
     log = job.with_suffix(".log").read_text()
-    assert rc != 0 and "waiting for resources" in log and "wait_timeout_s" in log, log[-3000:]
+    assert rc != 0 and "no replica is up" in log, log[-3000:]
+    assert "gave up waiting for resources" in log and "wait_timeout_s = 20" in log, log[-3000:]
     assert time.monotonic() - removed < 20 + 60
