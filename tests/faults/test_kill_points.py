@@ -154,11 +154,12 @@ def _retried(log: Path) -> int:
 
 def run_with_kills(tmp, model_dir, inp, head, name, victims, delays,
                    progress: str | None = None) -> tuple[list, list[Path]]:  # fmt: skip
-    """Run the pp = 2, tp = 2 job and SIGKILL victims[i] delays[i] seconds after the previous
-    kill (once such a victim is alive); after a driver kill, rerun. Kills left when the job ends
-    go to a new round (a fresh output directory). Rows redone by a member kill are the rows the
-    driver reports retrying until the next kill; a driver kill loses its open units' rows,
-    which the rerun generates again (no report: shown as "-")."""
+    """Run the pp = 2, tp = 2 job and SIGKILL victims[i] delays[i] seconds after the job is
+    working again (a new replica process alive: rebuilt after the previous kill); after a
+    driver kill, rerun. Kills left when the job ends go to a new round (a fresh output
+    directory). Rows redone by a member kill are the rows the driver reports retrying until
+    the next kill; a driver kill loses its open units' rows, which the rerun generates again
+    (no report: shown as "-")."""
     results: list[KillResult] = []
     outs = []
     while len(results) < len(victims):
@@ -167,12 +168,20 @@ def run_with_kills(tmp, model_dir, inp, head, name, victims, delays,
         out, log = tmp / job.stem, job.with_suffix(".log")
         outs.append(out)
         proc, t_run = _start(job, head), time.monotonic()
-        last = t_run
+        up_since = None  # when a new replica process was first seen alive since the last kill
+        old_pid = None  # the replica process at the last kill: it goes down with it
         while proc.poll() is None:
             assert time.monotonic() - t_run < RUN_TIMEOUT_S, f"a run of the job hung: {log}"
             time.sleep(0.2)
             i = len(results)
-            if i == len(victims) or time.monotonic() - last < delays[i]:
+            if i == len(victims):
+                continue
+            if up_since is None:
+                replicas = _alive("ReplicaActor", job.stem, head.gcs_address)
+                if replicas and replicas[0].pid != old_pid:
+                    up_since, old_pid = time.monotonic(), replicas[0].pid
+                continue
+            if time.monotonic() - up_since < delays[i]:
                 continue
             if victims[i] == "driver":
                 pid = proc.pid
@@ -186,7 +195,8 @@ def run_with_kills(tmp, model_dir, inp, head, name, victims, delays,
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 continue
-            kill.at = last = time.monotonic()
+            kill.at = time.monotonic()
+            up_since = None
             kill.point_s = kill.at - t_run
             results.append(kill)
             if progress is not None:
