@@ -49,7 +49,8 @@ def _fail() -> None:
 
 
 def test_get_within_raises_the_first_error_and_names_who_is_late(cluster):
-    """Old code: `ray.get(refs)` in PipelineRunner.wait / DecodeGroupRunner.wait, unbounded."""
+    """Old code: `ray.get(refs)` in PipelineRunner.wait / DecodeGroupRunner.wait, unbounded.
+    Checked: with get_within reduced to `return ray.get(list(refs))`, no TimeoutError."""
     slow = _sleep.remote(60)
     t0 = time.monotonic()
     with pytest.raises(ValueError, match="member failed"):
@@ -84,7 +85,8 @@ def test_spawn_group_gives_up_on_resources_that_never_come(cluster, model_dir):
 
 
 def test_stage_busy_intervals_are_bounded(model_dir, monkeypatch):
-    """Old code: `self.busy` was a list that grew by one interval per chunk, forever."""
+    """Old code: `self.busy` was a list that grew by one interval per chunk, forever.
+    Checked: with `deque()` for `deque(maxlen=BUSY_WINDOW)`, 5 intervals are kept."""
     monkeypatch.setattr(prefill, "BUSY_WINDOW", 2)
     layers = K3Config.from_hf(model_dir).num_hidden_layers
     stage = PrefillStageActor(
@@ -104,7 +106,8 @@ def test_stage_busy_intervals_are_bounded(model_dir, monkeypatch):
 
 def test_decode_rank_refuses_to_decode_after_a_lost_handoff(cluster, model_dir):
     """Old code: a failed import_request (nobody waits for it) left the rank decoding from a
-    cache without the request: silently wrong tokens instead of a replica rebuild."""
+    cache without the request: silently wrong tokens instead of a replica rebuild.
+    Checked: without the `if self.broken` check in forward, the call goes on into the model."""
     rank = DecodeRankActor(
         model_dir,
         ParallelLayout(tp_size=2),
@@ -120,10 +123,16 @@ def test_decode_rank_refuses_to_decode_after_a_lost_handoff(cluster, model_dir):
 
 
 def _members(replica) -> dict[tuple[str, int], int]:
-    return {(m["role"], m["rank"]): m["pid"] for m in ray.get(replica.members.remote(), timeout=60)}
+    members = ray.get(replica.members.remote(), timeout=BUILD_TIMEOUT_S)
+    return {(m["role"], m["rank"]): m["pid"] for m in members}
 
 
-def _wait_rebuilt(replica, old_pid: int, timeout_s: float = 120) -> dict:
+# Bounds for building a pp = 2, tp = 2 replica (five processes that import torch): seconds on an
+# idle machine, minutes on a loaded 2-core one.
+BUILD_TIMEOUT_S = 600
+
+
+def _wait_rebuilt(replica, old_pid: int, timeout_s: float = BUILD_TIMEOUT_S) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -139,20 +148,20 @@ def _wait_rebuilt(replica, old_pid: int, timeout_s: float = 120) -> dict:
 
 def test_dead_stage_or_rank_rebuilds_its_idle_replica(cluster, model_dir):
     """A pp = 2, tp = 2 replica with no work: SIGKILL a decode rank, then a prefill stage; each
-    time the replica goes down within seconds and comes back with new members.
-    Old code: no watchdog (and no `members`): an idle replica never noticed a dead member."""
+    time the replica process goes down and comes back (Ray's restart) with all-new members.
+    Old code: no watchdog (and no `members`): an idle replica never noticed a dead member.
+    Checked: with the watchdog's thread start in ReplicaActor._build_or_exit disabled, this
+    fails with "replica not rebuilt"."""
     actor = ray.remote(ReplicaActor).options(num_cpus=0, max_restarts=2, max_task_retries=0)
     replica = actor.remote(model_dir, CFG, "cpu", pp=2, tp=2)
     try:
-        pid = ray.get(replica.ready.remote(), timeout=120)["pid"]
+        pid = ray.get(replica.ready.remote(), timeout=BUILD_TIMEOUT_S)["pid"]
         for victim in [("decode", 1), ("prefill", 0)]:
             before = _members(replica)
             assert set(before) == {("prefill", 0), ("prefill", 1), ("decode", 0), ("decode", 1),
                                    ("replica", 0)}  # fmt: skip
             os.kill(before[victim], signal.SIGKILL)
-            t0 = time.monotonic()
             pid = _wait_rebuilt(replica, pid)["pid"]
-            assert time.monotonic() - t0 < 120
             after = _members(replica)
             assert not set(before.values()) & set(after.values()), (before, after)
     finally:
