@@ -1,10 +1,10 @@
 """Fault injection into a pp = 2, tp = 2 job on the shared local Ray head (CPU, k3-debug).
 
-At a random point of the job one process is SIGKILLed: the driver, the replica coordinator, a
-prefill stage or a decode rank; then the job is rerun. Every id must be written exactly once, the
+At random points of the job one process is SIGKILLed: the replica coordinator, a prefill stage,
+a decode rank or the driver (then the job is rerun). Every id must be written exactly once, the
 greedy tokens must equal an uninterrupted run's, and no run may hang (each is a subprocess with a
-time limit). The slow test covers 20 random points and prints a table (kill point, victim, rows
-redone, wall time); the default suite kills one prefill stage and one decode rank.
+time limit). The slow test makes 20 kills and prints a table (kill point, victim, rows redone,
+wall time; benchmarks/faults_pp2_tp2_cpu.txt); the default suite kills one decode rank.
 
 Victims are found through Ray's state API (class name and job, never by process name: other
 Ray sessions may share the machine) and killed with SIGKILL, as a crash or the OOM killer would.
@@ -13,7 +13,6 @@ Tokens are compared bit for bit, so the jobs decode one sequence at a time (max_
 tests/test_job.py: batched fp32 math is not batch-invariant).
 """
 
-import json
 import os
 import random
 import re
@@ -100,11 +99,6 @@ def _finish(proc: subprocess.Popen, deadline: float) -> int:
 
 def _rows(out: Path) -> list[dict]:
     return pq.read_table(out, columns=["id", "output_token_ids", "error"]).to_pylist()
-
-
-def _report(out: Path) -> dict:
-    path = out / "_k3batch_report.json"
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _committed(out: Path) -> int:
