@@ -71,7 +71,7 @@ class ReplicaSpec:
     accelerator_type: str | None = None  # e.g. "H200": lets the autoscaler pick node types
     max_inflight_rows: int = 64  # rows dispatched to one replica and not yet returned
     max_retries: int = 3  # per unit of rows lost to a replica failure
-    wait_timeout_s: float = 600.0  # for resources (placement groups) and replicas to come up
+    wait_timeout_s: float = 600.0  # for resources, replicas to come up, a replica to come back
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -15,10 +15,13 @@ import torch
 import torch.distributed as dist
 
 from k3batch.actors.placement import (
+    CALL_TIMEOUT_S,
     actor_device,
     batch_meta,
     free_endpoint,
+    get_within,
     join_process_group,
+    member_info,
     spawn_group,
 )
 from k3batch.cache.paged import PagedCache
@@ -47,9 +50,13 @@ class DecodeRankActor:
         self.config = K3Config.from_hf(model_dir)
         self.handoff_bytes = 0
         self.num_handoffs = 0
+        self.broken: str | None = None  # why a handed-off request is missing: forward refuses
 
     def endpoint(self) -> tuple[str, int]:
         return free_endpoint()
+
+    def ping(self) -> dict:
+        return member_info() | {"role": "decode", "rank": self.tp_rank}
 
     def init_group(self, host: str, port: int) -> None:
         """Join the group, then build this rank's model and cache (they need the groups)."""
@@ -79,12 +86,20 @@ class DecodeRankActor:
 
     def import_request(self, block: int, pages: list[int], pieces: list) -> int:
         """Store a handed-off request in a block and pages: `pieces` are this rank's shares
-        (dicts, or object refs to them) from every prefill stage. Returns the bytes received."""
+        (dicts, or object refs to them) from every prefill stage. Returns the bytes received.
+        Nobody waits for this call, so a failure (a piece lost with its stage, a fetch that
+        timed out) marks the rank broken: its next forward raises instead of decoding from a
+        cache that lacks the request."""
         n = 0
-        for p in pieces:
-            p = ray.get(p) if isinstance(p, ray.ObjectRef) else p
-            self.cache.write_request_(block, pages, p)
-            n += handoff.handoff_bytes(p)
+        try:
+            for i, p in enumerate(pieces):
+                if isinstance(p, ray.ObjectRef):
+                    (p,) = get_within([p], CALL_TIMEOUT_S, [f"handoff piece of prefill stage {i}"])
+                self.cache.write_request_(block, pages, p)
+                n += handoff.handoff_bytes(p)
+        except BaseException as e:
+            self.broken = f"importing a request into block {block} failed: {e!r}"
+            raise
         self.handoff_bytes += n
         self.num_handoffs += 1
         return n
@@ -93,6 +108,8 @@ class DecodeRankActor:
     def forward(self, ids: list[int], meta: dict, all_logits: bool):
         """One decode step on every rank (the same tokens everywhere); rank 0 returns the
         full-vocabulary logits (fp32, CPU)."""
+        if self.broken:
+            raise RuntimeError(f"decode rank {self.tp_rank}: {self.broken}")
         x = torch.tensor(ids, dtype=torch.long, device=self.device)
         logits = self.model.forward_batch(
             x, ForwardBatch(**meta), self.cache, all_logits=all_logits
@@ -152,17 +169,28 @@ class DecodeGroupRunner:
             placement_group=placement_group,
             first_bundle=first_bundle,
             num_gpus=gpus_per_rank,
+            role="decode rank",
         )
+        self.labels = [f"decode rank {r}" for r in range(layout.tp_size)]
+
+    call_timeout_s = CALL_TIMEOUT_S
+
+    def _get(self, refs: list) -> list:
+        return get_within(refs, self.call_timeout_s, self.labels)
+
+    def members(self) -> list[tuple[str, object]]:
+        """(label, actor handle) of every rank: what the replica's watchdog pings."""
+        return list(zip(self.labels, self.ranks))
 
     def submit(self, ids: list[int], batch: ForwardBatch, all_logits: bool):
         meta = batch_meta(batch)
         return [a.forward.remote(ids, meta, all_logits) for a in self.ranks]
 
     def wait(self, refs):
-        return ray.get(refs)[0]  # every rank's ref: a failing rank raises here
+        return self._get(refs)[0]  # every rank's ref: a failing rank raises here
 
     def cache_specs(self) -> list:
-        return ray.get([a.cache_spec.remote() for a in self.ranks])
+        return self._get([a.cache_spec.remote() for a in self.ranks])
 
     def apply(self, moves) -> None:
         if moves:
@@ -176,7 +204,7 @@ class DecodeGroupRunner:
         ]
 
     def stats(self) -> dict:
-        ranks = ray.get([a.stats.remote() for a in self.ranks])
+        ranks = self._get([a.stats.remote() for a in self.ranks])
         return {
             "handoff_bytes_per_rank": [s["handoff_bytes"] for s in ranks],
             "handoffs": ranks[0]["handoffs"],
@@ -185,6 +213,8 @@ class DecodeGroupRunner:
     def shutdown(self) -> None:
         try:
             ray.get([a.shutdown.remote() for a in self.ranks], timeout=30)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass  # a dead or hung rank: killed below
         finally:
             for a in self.ranks:
                 ray.kill(a)

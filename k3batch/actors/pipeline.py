@@ -4,12 +4,15 @@ over P PrefillStageActors, behind the engine's runner protocol (`engine/runner.p
 `submit` sends one batch to every stage (stage 0 gets the token ids) and returns immediately;
 up to P batches are in flight, so all stages work at once. `bubble()` turns the stages'
 compute intervals into busy fractions and the pipeline bubble.
+
+Every wait is bounded (`placement.get_within`): a dead stage raises at once in `wait`, a hung
+one raises TimeoutError after `call_timeout_s`; the replica then goes down and is rebuilt.
 """
 
 import ray
 import torch
 
-from k3batch.actors.placement import batch_meta, spawn_group
+from k3batch.actors.placement import CALL_TIMEOUT_S, batch_meta, get_within, spawn_group
 from k3batch.actors.prefill import PrefillStageActor
 from k3batch.model.config import K3Config
 from k3batch.model.forward_batch import ForwardBatch
@@ -49,12 +52,22 @@ class PipelineRunner:
             placement_group=placement_group,
             first_bundle=first_bundle,
             num_gpus=num_gpus_per_stage,
+            role="prefill stage",
         )
+        self.labels = [f"prefill stage {r}" for r in range(num_stages)]
 
     dcp_size = 1
+    call_timeout_s = CALL_TIMEOUT_S
+
+    def _get(self, refs: list) -> list:
+        return get_within(refs, self.call_timeout_s, self.labels)
+
+    def members(self) -> list[tuple[str, object]]:
+        """(label, actor handle) of every stage: what the replica's watchdog pings."""
+        return list(zip(self.labels, self.stages))
 
     def cache_specs(self) -> list:
-        return ray.get([s.cache_spec.remote() for s in self.stages])
+        return self._get([s.cache_spec.remote() for s in self.stages])
 
     def apply(self, moves) -> None:
         if moves:
@@ -69,7 +82,7 @@ class PipelineRunner:
         ]
 
     def wait(self, refs):
-        return ray.get(refs)[-1]  # ray.get on every stage: a failing stage raises here
+        return self._get(refs)[-1]  # every stage's ref: a failing stage raises here
 
     def export_request(self, block: int, pages: list[int], num_tokens: int, layout) -> list:
         """Per decode rank, the object refs of its pieces from every stage."""
@@ -85,17 +98,18 @@ class PipelineRunner:
         """Every stage's cache of one request, merged by layer."""
         merged = {"kda_state": {}, "kda_conv": {}, "mla_latent": {}}
         calls = [s.request_tensors.remote(block, pages, num_tokens) for s in self.stages]
-        for part in ray.get(calls):
+        for part in self._get(calls):
             for name, layers in part.items():
                 merged[name].update(layers)
         return merged
 
     def bubble(self, reset: bool = True) -> dict:
         """Busy fraction per stage over the span from the first compute start to the last
-        compute end (all stages), and the bubble = 1 - mean busy fraction."""
-        stats = ray.get([s.stats.remote() for s in self.stages])
+        compute end (all stages), and the bubble = 1 - mean busy fraction. Each stage keeps its
+        last `prefill.BUSY_WINDOW` intervals only, so a long job reports its recent past."""
+        stats = self._get([s.stats.remote() for s in self.stages])
         if reset:
-            ray.get([s.reset_stats.remote() for s in self.stages])
+            self._get([s.reset_stats.remote() for s in self.stages])
         intervals = [st["busy"] for st in stats]
         starts = [a for iv in intervals for a, _ in iv]
         ends = [b for iv in intervals for _, b in iv]
@@ -108,6 +122,8 @@ class PipelineRunner:
     def shutdown(self) -> None:
         try:
             ray.get([s.shutdown.remote() for s in self.stages], timeout=30)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass  # a dead or hung stage: killed below
         finally:
             for s in self.stages:
                 ray.kill(s)

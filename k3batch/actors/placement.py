@@ -1,17 +1,34 @@
 """Groups of actors that talk over torch.distributed: one actor per bundle of a placement group,
 and the rendezvous that joins them into one process group (NCCL on GPU, gloo on CPU).
 
-Protocol for a group actor class: `endpoint()` returns `free_endpoint()` (called on rank 0 only)
-and `init_group(host, port)` calls `join_process_group` before anything that needs the group.
+Protocol for a group actor class: `endpoint()` returns `free_endpoint()` (called on rank 0 only),
+`init_group(host, port)` calls `join_process_group` before anything that needs the group, and
+`ping()` returns `member_info()` (the replica's watchdog and the fault tests call it).
+
+Nothing here waits without a bound: spawning a group waits at most `timeout_s` for the actors to
+be placed, load their weights and join (then kills them and raises TimeoutError naming who did
+not answer and which resources were missing), and `get_within` is the bounded `ray.get` that
+every call on a group goes through: an error from any member surfaces at once, not behind a
+member that hangs.
 """
 
+import logging
+import os
 import socket
+import time
 from datetime import timedelta
 
 import ray
 import torch
 import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+log = logging.getLogger(__name__)
+
+# A stage or rank is placed, loads its shard of the checkpoint and joins its group within this.
+SPAWN_TIMEOUT_S = 1800.0
+# One call on a group (a forward step, a cache read, a stats read) answers within this.
+CALL_TIMEOUT_S = 600.0
 
 
 def actor_device(device: str) -> torch.device:
@@ -30,6 +47,11 @@ def free_endpoint() -> tuple[str, int]:
         return ray.util.get_node_ip_address(), s.getsockname()[1]
 
 
+def member_info() -> dict:
+    """Where a group actor runs: its process id and Ray node id."""
+    return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+
+
 def join_process_group(device_type: str, host: str, port: int, rank: int, world_size: int,
                        timeout_s: float = 600) -> None:  # fmt: skip
     dist.init_process_group(
@@ -41,22 +63,64 @@ def join_process_group(device_type: str, host: str, port: int, rank: int, world_
     )
 
 
+def get_within(refs: list, timeout_s: float, labels: list[str]) -> list:
+    """ray.get(refs), bounded: the first member error is raised as soon as it arrives (not after
+    the members before it answer), and after `timeout_s` a TimeoutError names the labels of the
+    refs still unanswered. labels[i] names refs[i] ("prefill stage 1")."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        left = deadline - time.monotonic()
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0))
+        if not ready:
+            late = [lab for ref, lab in zip(refs, labels) if ref in pending]
+            raise TimeoutError(f"no answer from {', '.join(late)} within {timeout_s:g} s")
+        ray.get(ready)  # a member's error raises here
+    return ray.get(list(refs))
+
+
 def spawn_group(actor_cls, kwargs_per_rank: list[dict], *, device: str, placement_group=None,
-                first_bundle: int = 0, num_gpus: float = 0) -> list:  # fmt: skip
+                first_bundle: int = 0, num_gpus: float = 0, role: str = "rank",
+                timeout_s: float = SPAWN_TIMEOUT_S) -> list:  # fmt: skip
     """One actor per rank (rank r in bundle first_bundle + r when a placement group is given),
-    joined into one process group before this returns."""
+    joined into one process group before this returns, all within `timeout_s`. On any failure
+    (an actor died while loading, resources that never came, a hung rendezvous) every actor of
+    the group is killed and the error raised: a TimeoutError says which `role` ranks did not
+    answer and, if the placement group is not fully placed, its bundles."""
     remote_cls = ray.remote(actor_cls)
     actors = []
-    for r, kwargs in enumerate(kwargs_per_rank):
-        opts = {"num_cpus": 1 if device == "cpu" else 0.1, "num_gpus": num_gpus}
-        if placement_group is not None:
-            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group, placement_group_bundle_index=first_bundle + r
-            )
-        actors.append(remote_cls.options(**opts).remote(**kwargs))
-    host, port = ray.get(actors[0].endpoint.remote())
-    ray.get([a.init_group.remote(host, port) for a in actors])
+    labels = [f"{role} {r}" for r in range(len(kwargs_per_rank))]
+    t0 = time.monotonic()
+    try:
+        for r, kwargs in enumerate(kwargs_per_rank):
+            opts = {"num_cpus": 1 if device == "cpu" else 0.1, "num_gpus": num_gpus}
+            if placement_group is not None:
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group, placement_group_bundle_index=first_bundle + r
+                )
+            actors.append(remote_cls.options(**opts).remote(**kwargs))
+        ((host, port),) = get_within([actors[0].endpoint.remote()], timeout_s, labels[:1])
+        left = timeout_s - (time.monotonic() - t0)
+        get_within([a.init_group.remote(host, port) for a in actors], max(left, 1.0), labels)
+    except TimeoutError as e:
+        _kill(actors)
+        raise TimeoutError(f"starting a group of {role}s: {e}{_missing(placement_group)}") from e
+    except BaseException:
+        _kill(actors)
+        raise
     return actors
+
+
+def _missing(pg) -> str:
+    if pg is None:
+        return ""
+    ready, _ = ray.wait([pg.ready()], timeout=0)
+    return "" if ready else f"; waiting for resources {pg.bundle_specs} (placement group)"
+
+
+def _kill(actors: list) -> None:
+    for a in actors:
+        ray.kill(a)
 
 
 def batch_meta(batch) -> dict:

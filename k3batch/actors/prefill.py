@@ -10,11 +10,17 @@ on chunk c while stage s-1 works on chunk c+1, and a stage's send overlaps its n
 """
 
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
 
-from k3batch.actors.placement import actor_device, free_endpoint, join_process_group
+from k3batch.actors.placement import (
+    actor_device,
+    free_endpoint,
+    join_process_group,
+    member_info,
+)
 from k3batch.cache.layout import CacheLayout
 from k3batch.cache.paged import PagedCache
 from k3batch.engine.config import EngineConfig
@@ -23,6 +29,10 @@ from k3batch.model.forward_batch import ForwardBatch
 from k3batch.model.loader import load_model
 from k3batch.parallel.handoff import reshard_request
 from k3batch.parallel.pipeline import bank_size, pack_stream, unpack_stream
+
+# Compute intervals a stage remembers (the newest); enough for bubble statistics of any bench,
+# bounded for a job of millions of chunks.
+BUSY_WINDOW = 4096
 
 
 class PrefillStageActor:
@@ -49,8 +59,8 @@ class PrefillStageActor:
         )
         total = arena_bytes(layout, engine_config, self.device)
         self.cache = PagedCache(layout, total, device=self.device, dtype=dtype)
-        # Wall-clock compute intervals; receive and send are excluded.
-        self.busy: list[tuple[float, float]] = []
+        # Wall-clock compute intervals (the newest BUSY_WINDOW); receive and send are excluded.
+        self.busy: deque[tuple[float, float]] = deque(maxlen=BUSY_WINDOW)
         self._send = None  # (work, tensor) of the last isend
 
     def endpoint(self) -> tuple[str, int]:
@@ -58,6 +68,9 @@ class PrefillStageActor:
 
     def init_group(self, host: str, port: int) -> None:
         join_process_group(self.device.type, host, port, self.rank, self.num_stages)
+
+    def ping(self) -> dict:
+        return member_info() | {"role": "prefill", "rank": self.rank}
 
     @torch.inference_mode()
     def forward(self, ids: list[int] | None, meta: dict, all_logits: bool):

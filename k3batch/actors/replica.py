@@ -10,6 +10,15 @@ the rows it had in flight. The single-device replica wraps `Engine`; the disaggr
 (pipeline prefill, TP/DCP decode) keeps the same interface. Rows with bad values come back with
 an error; if the engine itself fails the process exits, so that Ray restarts the actor and the
 driver retries its rows.
+
+Health (disaggregated replicas): the replica owns its prefill stage and decode rank actors, so
+they die with it. A member that dies takes the replica down: the engine's next wait on it raises
+at once, and a watchdog thread pings every member each `WATCH_INTERVAL_S` so that a death is
+noticed within seconds even while the replica is idle. Down means the process exits; Ray
+restarts the actor (up to max_restarts), and the constructor rebuilds every stage and rank in
+the replica's placement groups, which Ray re-places on a live node when a node is gone. A
+rebuild that fails (resources that never come, a member dying while loading) also exits, after
+`placement.SPAWN_TIMEOUT_S` at most: nothing waits without a bound.
 """
 
 import asyncio
@@ -20,10 +29,15 @@ import queue
 import threading
 import time
 
+import ray
+
+from k3batch.actors.placement import CALL_TIMEOUT_S, get_within
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import GenerationResult, SamplingParams
 
 log = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 1.0  # how often the watchdog pings each prefill stage and decode rank
 
 
 class ReplicaActor:
@@ -40,10 +54,8 @@ class ReplicaActor:
         placement_group=None,
         decode_placement_group=None,
     ):
-        from k3batch.actors.build import build_engine
-
         t0 = time.perf_counter()
-        self.engine, self.tokenizer = build_engine(
+        self.engine, self.tokenizer = self._build_or_exit(
             model_dir,
             engine_config,
             device=device,
@@ -62,6 +74,61 @@ class ReplicaActor:
         self._wake = self._wake_loop = None  # take_results' event, set by the engine thread
         self._next_id = 0
         threading.Thread(target=self._loop, daemon=True, name="engine").start()
+
+    # ---- construction and health (the members of a disaggregated replica) -------------------
+    def _build_or_exit(self, model_dir: str, engine_config: EngineConfig, **kw):
+        """build_engine, or exit the process (Ray restarts the actor: a rebuild). Ray would
+        not restart an actor whose constructor raised; a replica that cannot start its stages
+        now may well start them on the next attempt (a node was replaced)."""
+        from k3batch.actors.build import build_engine
+
+        try:
+            engine, tokenizer = build_engine(model_dir, engine_config, **kw)
+        except BaseException:
+            log.exception("building the replica failed; exiting so that Ray restarts it")
+            os._exit(1)
+        members = self._members(engine)
+        if members:
+            threading.Thread(
+                target=self._watch, args=(members,), daemon=True, name="watchdog"
+            ).start()
+        return engine, tokenizer
+
+    @staticmethod
+    def _members(engine) -> list[tuple[str, object]]:
+        out = []
+        for runner in (engine.runner, engine.decode_runner):
+            if hasattr(runner, "members"):
+                out += runner.members()
+        return out
+
+    def _watch(self, members: list[tuple[str, object]]) -> None:
+        """One ping in flight per member; a member that died (its ping raises) takes the
+        replica down. A ping that waits is a busy member: the engine's bounded waits catch one
+        that hangs."""
+        pings = {m.ping.remote(): (label, m) for label, m in members}
+        while True:
+            ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=WATCH_INTERVAL_S)
+            for ref in ready:
+                label, m = pings.pop(ref)
+                try:
+                    ray.get(ref)
+                except BaseException as e:
+                    log.error("%s died (%s); exiting so that Ray rebuilds the replica", label, e)
+                    os._exit(1)
+                pings[m.ping.remote()] = (label, m)
+            if ready:
+                time.sleep(WATCH_INTERVAL_S)
+
+    def members(self) -> list[dict]:
+        """Every prefill stage and decode rank, then this coordinator: role, rank, pid and node
+        id of each (tests and operators use it to find a process)."""
+        members = self._members(self.engine)
+        labels = [label for label, _ in members]
+        return get_within([m.ping.remote() for _, m in members], CALL_TIMEOUT_S, labels) + [
+            {"role": "replica", "rank": 0, "pid": os.getpid(),
+             "node_id": ray.get_runtime_context().get_node_id()}  # fmt: skip
+        ]
 
     def ready(self) -> dict:
         return {"load_s": self.load_s, "pid": os.getpid()}

@@ -1,7 +1,8 @@
 """Replica health as the driver sees it: "up" (gets rows), "down" (failed, restarting: probed
 with `ready()` until it answers) or "dead" (out of restarts, or down for longer than
 `down_timeout_s`). Every probe is bounded: one not answered within `probe_timeout_s` counts as
-a failed probe. The job fails, naming the last error, only when every replica is dead.
+a failed probe. The job fails, naming the last error, only when every replica is dead. While no
+replica is up (nodes lost, replicas being rebuilt), a warning says so every `WAIT_LOG_EVERY_S`.
 """
 
 import logging
@@ -12,6 +13,7 @@ import ray
 log = logging.getLogger(__name__)
 
 PROBE_EVERY_S = 1.0
+WAIT_LOG_EVERY_S = 30.0
 
 
 class Health:
@@ -23,6 +25,7 @@ class Health:
         self.probes: dict = {}  # ready() ref -> (replica index, sent at)
         self.probe_at: dict[int, float] = {}  # replica index -> when to probe next
         self.failures = 0
+        self.logged_at = 0.0  # last "no replica is up" warning
 
     def up(self) -> list[int]:
         return [i for i, s in enumerate(self.state) if s == "up"]
@@ -50,6 +53,14 @@ class Health:
 
     def send_probes(self) -> None:
         now = time.monotonic()
+        if self.down_since and not self.up() and now - self.logged_at >= WAIT_LOG_EVERY_S:
+            self.logged_at = now
+            waited = now - min(self.down_since.values())
+            log.warning(
+                "no replica is up (%s); waiting for one to be rebuilt or for resources: "
+                "%.0f of %g s (replicas.wait_timeout_s)",
+                ", ".join(self.state), waited, self.down_timeout_s,
+            )
         for r, at in list(self.probe_at.items()):
             if now - self.down_since[r] > self.down_timeout_s:
                 del self.probe_at[r]
