@@ -1,15 +1,9 @@
 """Inputs shared by the MLA kernel tests: paged latents with non-contiguous, shuffled page
 tables and NaN poison everywhere a kernel must not read (pages of no sequence, positions past a
-sequence's length), plus the CPU/GPU switch. Not a test module."""
-
-import os
+sequence's length), plus the CPU/GPU switch (without a GPU, tests/conftest.py has set
+TRITON_INTERPRET=1, so the kernels run interpreted). Not a test module."""
 
 import torch
-
-if not torch.cuda.is_available():
-    # Triton decides at decoration time whether a kernel is interpreted: set this before any
-    # k3kernels.mla Triton module is imported, so that the CPU suite runs the kernels.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -14,7 +14,7 @@ import torch
 from k3kernels.mla import TOLERANCES
 from k3kernels.mla import reference as ref
 
-from mla_inputs import DEVICE, paged_latents  # first: sets TRITON_INTERPRET on CPU
+from mla_inputs import DEVICE, paged_latents
 
 from k3batch.testing import assert_close
 from k3kernels.mla.decode import mla_decode, num_splits_for  # isort: skip

@@ -10,7 +10,7 @@ model passes them. Breaking it: drop the
 
 import pytest
 import torch
-from mla_inputs import DEVICE  # first: sets TRITON_INTERPRET on CPU
+from mla_inputs import DEVICE
 
 from k3batch.model.forward_batch import ForwardBatch
 from k3batch.testing import assert_close, slot_batch, slot_cache
