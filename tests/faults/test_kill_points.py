@@ -18,7 +18,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from ray.util.state import list_actors
+
+from fault_jobs import start_job, write_job
 
 from k3batch.model.weights import init_checkpoint
 
@@ -53,39 +54,6 @@ def job_input(tmp_path_factory):
     path = tmp_path_factory.mktemp("kill_in") / "in.parquet"
     pq.write_table(pa.table({"id": [f"r{i}" for i in range(NUM_ROWS)], "prompt": prompts}), path)
     return path
-
-
-def _job(tmp: Path, model_dir: str, inp: Path, name: str, *, pp: int, tp: int) -> Path:
-    job = tmp / f"{name}.toml"
-    job.write_text(f"""
-name = "{name}"
-model = "{model_dir}"
-[input]
-path = "{inp}"
-batch_rows = 2
-[output]
-path = "{tmp / name}"
-[sampling]
-temperature = 0.0
-max_new_tokens = 6
-[replicas]
-device = "cpu"
-pp = {pp}
-tp = {tp}
-max_inflight_rows = 2
-max_retries = 10
-[engine]
-max_num_seqs = 1
-max_seq_len = 128
-chunk_size = 16
-""")
-    return job
-
-
-def _start(job: Path, head) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "k3batch.cli", "run", str(job), "--address", head.gcs_address]
-    log = open(job.with_suffix(".log"), "a")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _finish(proc: subprocess.Popen, deadline: float) -> int:
@@ -158,10 +126,10 @@ def run_with_kills(tmp, model_dir, inp, head, name, victims, delays,
     outs = []
     while len(results) < len(victims):
         rnd = len(outs)
-        job = _job(tmp, model_dir, inp, f"{name}-{rnd}", pp=2, tp=2)
+        job = write_job(tmp, model_dir, inp, f"{name}-{rnd}")
         out, log = tmp / job.stem, job.with_suffix(".log")
         outs.append(out)
-        proc, t_run = _start(job, head), time.monotonic()
+        proc, t_run = start_job(job, head.gcs_address), time.monotonic()
         up_since = None  # when a new replica process was first seen alive since the last kill
         old_pid = None  # the replica process at the last kill: it goes down with it
         while proc.poll() is None:
@@ -198,7 +166,7 @@ def run_with_kills(tmp, model_dir, inp, head, name, victims, delays,
                     f.write(f"{len(results) - 1} {kill}\n")
             if victims[i] == "driver":
                 _finish(proc, t_run + RUN_TIMEOUT_S)
-                proc, t_run = _start(job, head), time.monotonic()
+                proc, t_run = start_job(job, head.gcs_address), time.monotonic()
         assert proc.returncode == 0, log.read_text()[-3000:]
         mine = [r for r in results if r.round == rnd]
         ends = [(n.at, n.retried_at_kill) for n in mine[1:]] + [(time.monotonic(), _retried(log))]
@@ -220,8 +188,8 @@ def check_output(out: Path, ref: dict) -> None:
 
 def reference(tmp, model_dir, inp, head) -> dict:
     """The uninterrupted single-device run (tests/test_job.py: pp/tp runs equal it exactly)."""
-    job = _job(tmp, model_dir, inp, "ref", pp=1, tp=1)
-    rc = _finish(_start(job, head), time.monotonic() + RUN_TIMEOUT_S)
+    job = write_job(tmp, model_dir, inp, "ref", pp=1, tp=1)
+    rc = _finish(start_job(job, head.gcs_address), time.monotonic() + RUN_TIMEOUT_S)
     assert rc == 0, job.with_suffix(".log").read_text()[-3000:]
     return {r["id"]: r["output_token_ids"] for r in _rows(tmp / "ref")}
 

@@ -13,7 +13,6 @@ Ray is already connected.
 import json
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +22,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
+
+from fault_jobs import start_job, write_job
 
 from k3batch.model.weights import init_checkpoint
 
@@ -79,38 +80,7 @@ def _job(tmp: Path, model_dir: str, name: str, wait_timeout_s: float = 600) -> P
         prompts = [" ".join(["kimi", "linear", "attention", "batch"][: 1 + i % 4] * (1 + i % 3))
                    for i in range(10)]  # fmt: skip
         pq.write_table(pa.table({"id": [f"r{i}" for i in range(10)], "prompt": prompts}), inp)
-    job = tmp / f"{name}.toml"
-    job.write_text(f"""
-name = "{name}"
-model = "{model_dir}"
-[input]
-path = "{inp}"
-batch_rows = 2
-[output]
-path = "{tmp / name}"
-[sampling]
-temperature = 0.0
-max_new_tokens = 6
-[replicas]
-device = "cpu"
-pp = 2
-tp = 2
-max_inflight_rows = 2
-max_retries = 3
-wait_timeout_s = {wait_timeout_s}
-[engine]
-max_num_seqs = 1
-max_seq_len = 128
-chunk_size = 16
-""")
-    return job
-
-
-def _run(job: Path, address: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "k3batch.cli", "run", str(job), "--address", address]
-    return subprocess.Popen(
-        cmd, stdout=open(job.with_suffix(".log"), "w"), stderr=subprocess.STDOUT
-    )
+    return write_job(tmp, model_dir, inp, name, max_retries=3, wait_timeout_s=wait_timeout_s)
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float) -> int:
@@ -146,14 +116,14 @@ def _remove_replica_node(cluster, workers, name: str, out: Path, deadline: float
 def test_node_loss_rebuilds_the_replica_on_the_other_node(two_node_cluster, model_dir, tmp_path):
     cluster, workers = two_node_cluster
     ref_job = _job(tmp_path, model_dir, "ref")
-    assert _wait(_run(ref_job, cluster.address), RUN_TIMEOUT_S) == 0, ref_job.with_suffix(
+    assert _wait(start_job(ref_job, cluster.address), RUN_TIMEOUT_S) == 0, ref_job.with_suffix(
         ".log"
     ).read_text()[-3000:]
     ref = {r["id"]: r["output_token_ids"] for r in pq.read_table(tmp_path / "ref").to_pylist()}
 
     job = _job(tmp_path, model_dir, "nodeloss")
     t0 = time.monotonic()
-    proc = _run(job, cluster.address)
+    proc = start_job(job, cluster.address)
     lost = _remove_replica_node(cluster, workers, "nodeloss", tmp_path / "nodeloss",
                                 t0 + RUN_TIMEOUT_S)  # fmt: skip
     rc = _wait(proc, RUN_TIMEOUT_S)
@@ -179,7 +149,7 @@ def test_no_node_left_waits_a_bounded_time(two_node_cluster, model_dir, tmp_path
     cluster, workers = two_node_cluster
     job = _job(tmp_path, model_dir, "nonode", wait_timeout_s=20)
     t0 = time.monotonic()
-    proc = _run(job, cluster.address)
+    proc = start_job(job, cluster.address)
     _remove_replica_node(cluster, workers, "nonode", tmp_path / "nonode", t0 + RUN_TIMEOUT_S)
     for w in list(cluster.worker_nodes):
         cluster.remove_node(w, allow_graceful=False)
