@@ -50,6 +50,7 @@ def _replica() -> ReplicaActor:
     actor.load_s, actor.busy_s, actor.rows = 0.0, 0.0, 0
     actor._inbox, actor._outbox, actor._next_id = queue.SimpleQueue(), collections.deque(), 0
     actor._wake = actor._wake_loop = None
+    actor.instance = "one"
     threading.Thread(target=actor._loop, daemon=True).start()
     return actor
 
@@ -62,7 +63,7 @@ def test_replica_streams_rows_as_they_finish_and_takes_more_meanwhile():
     async def take_until(n: int) -> list[dict]:
         rows = []
         for _ in range(200):
-            rows += await actor.take_results(0.05)
+            rows += (await actor.take_results(0.05))[1]
             if len(rows) >= n:
                 return rows
         raise AssertionError(f"only {len(rows)} of {n} rows came back")

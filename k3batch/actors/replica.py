@@ -28,6 +28,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 
 import ray
 
@@ -73,6 +74,7 @@ class ReplicaActor:
         self._outbox: collections.deque = collections.deque()  # finished rows, engine -> caller
         self._wake = self._wake_loop = None  # take_results' event, set by the engine thread
         self._next_id = 0
+        self.instance = uuid.uuid4().hex  # new at every (re)start of the actor
         threading.Thread(target=self._loop, daemon=True, name="engine").start()
 
     # ---- construction and health (the members of a disaggregated replica) -------------------
@@ -142,16 +144,18 @@ class ReplicaActor:
             out["decode_group"] = self.engine.decode_runner.stats()
         return out
 
-    def submit(self, items: list[tuple[object, list[int], SamplingParams]]) -> int:
+    def submit(self, items: list[tuple[object, list[int], SamplingParams]]) -> str:
         """items: (key, prompt token ids, sampling). Queues them for the engine thread and
-        returns how many were queued; their results come back through `take_results`."""
+        returns this process's instance id; their results come back through `take_results`."""
         self._inbox.put(items)
-        return len(items)
+        return self.instance
 
-    async def take_results(self, max_wait_s: float = 1.0) -> list[dict]:
-        """The rows finished since the last call, waiting up to `max_wait_s` for at least one:
-        dicts with key, generated_text, output_token_ids, finish_reason, num_prompt_tokens,
-        num_output_tokens, error, and output_logprobs / prompt_logprobs when asked for."""
+    async def take_results(self, max_wait_s: float = 1.0) -> tuple[str, list[dict]]:
+        """(instance id, the rows finished since the last call), waiting up to `max_wait_s`
+        for at least one row: dicts with key, generated_text, output_token_ids, finish_reason,
+        num_prompt_tokens, num_output_tokens, error, and output_logprobs / prompt_logprobs
+        when asked for. A new instance id means the actor restarted: rows submitted to an
+        earlier instance are lost, and the caller resubmits them."""
         if self._wake_loop is not asyncio.get_running_loop():
             self._wake, self._wake_loop = asyncio.Event(), asyncio.get_running_loop()
         self._wake.clear()  # before looking: a row appended after the look sets it again
@@ -163,7 +167,7 @@ class ReplicaActor:
         out = []
         while self._outbox:
             out.append(self._outbox.popleft())
-        return out
+        return self.instance, out
 
     # ---- engine thread --------------------------------------------------------------------
     def _loop(self) -> None:

@@ -5,7 +5,9 @@ queue (`submit`) and keeps one `take_results` call outstanding per replica that 
 answer frees the rows it returns, so the next `pump()` refills the replica at once: a slow row
 holds its own slot only. A row's key is (file index, batch index, row index, attempt): a
 result whose key is not in flight any more (an earlier attempt's, after a retry) is dropped.
-When a replica fails (a call raises, or a `take_results` is not answered within
+Every answer names the replica process (an instance id, new at each restart): an answer from
+another instance than the one holding the rows means the actor restarted and lost them. When a
+replica fails (a call raises, it restarted, or a `take_results` is not answered within
 `reply_timeout_s`), its in-flight rows go back to the front of the queue with attempt + 1,
 or are finished with an error after `max_retries` retries; calls of its earlier epochs are
 ignored.
@@ -34,6 +36,7 @@ class Dispatcher:
         self.queue: deque = deque()  # (file, batch, row, attempt), RowWork
         self.inflight: list[dict] = [{} for _ in replicas]  # (file, batch, row) -> attempt, work
         self.epoch = [0] * len(replicas)
+        self.instance: list[str | None] = [None] * len(replicas)  # process holding the rows
         self.calls: dict = {}  # ref -> (replica, epoch, kind "submit" | "take", sent at)
         self.done: list = []  # ((file, batch, row), output row) finished, for the caller to take
 
@@ -86,9 +89,14 @@ class Dispatcher:
             if e == self.epoch[r]:
                 self._failed(r, err)
             return
-        if kind == "submit":
-            return
-        for row in answer:
+        instance, rows = (answer, []) if kind == "submit" else answer
+        if e == self.epoch[r]:
+            if self.instance[r] is None:
+                self.instance[r] = instance
+            elif instance != self.instance[r]:
+                self._failed(r, RuntimeError("the replica restarted; its rows in flight are lost"))
+                return
+        for row in rows:
             f, b, i, attempt = row.pop("key")
             held = self.inflight[r].get((f, b, i))
             if held is not None and held[0] == attempt:  # else: a stale attempt's result
@@ -99,6 +107,7 @@ class Dispatcher:
         """Replica r failed: its rows are retried, or failed for good after max_retries."""
         self.health.failed(r, err)
         self.epoch[r] += 1
+        self.instance[r] = None
         lost, self.inflight[r] = self.inflight[r], {}
         if lost:
             log.warning("replica %d failed (%s: %s); %d rows in flight",

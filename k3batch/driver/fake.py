@@ -10,6 +10,7 @@ makes a slow row. `stats_delay_s` makes `stats` answer late (a hung replica).
 import asyncio
 import os
 import time
+import uuid
 
 
 class FakeReplica:
@@ -18,6 +19,7 @@ class FakeReplica:
         self.token_s, self.stats_delay_s = token_s, stats_delay_s
         self.pending: list = []  # (due at, row)
         self.rows = 0
+        self.instance = uuid.uuid4().hex
 
     def ready(self) -> dict:
         return {"load_s": 0.0, "pid": os.getpid()}
@@ -26,7 +28,7 @@ class FakeReplica:
         await asyncio.sleep(self.stats_delay_s)  # > the driver's timeout: a replica that hangs
         return {"load_s": 0.0, "busy_s": 0.0, "rows": self.rows}
 
-    def submit(self, items) -> int:
+    def submit(self, items) -> str:
         now = time.monotonic()
         for key, ids, sp in items:
             out = list(reversed(ids[: sp.max_new_tokens]))
@@ -40,9 +42,9 @@ class FakeReplica:
                 "error": None,
             }
             self.pending.append((now + self.token_s * sp.max_new_tokens, row))
-        return len(items)
+        return self.instance
 
-    async def take_results(self, max_wait_s: float = 1.0) -> list[dict]:
+    async def take_results(self, max_wait_s: float = 1.0) -> tuple[str, list[dict]]:
         deadline = time.monotonic() + max_wait_s
         while True:
             now = time.monotonic()
@@ -50,5 +52,5 @@ class FakeReplica:
             if done or now >= deadline:
                 self.pending = [(due, row) for due, row in self.pending if due > now]
                 self.rows += len(done)
-                return done
+                return self.instance, done
             await asyncio.sleep(min(0.005, max(deadline - now, 0)))
