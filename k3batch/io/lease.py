@@ -4,7 +4,8 @@ A driver that writes to a directory holds `_k3batch_lease.json` there: its holde
 host, pid, a random token), when it took the lease and its last heartbeat (wall-clock seconds,
 since two drivers may run on two machines). A background thread renews the heartbeat every
 `heartbeat_s`. Another driver is refused while the heartbeat is fresher than `stale_after_s`,
-with a message naming the holder; a stale lease (its driver was killed) is taken over.
+with a message naming the holder; a stale lease (its driver was killed) is taken over, at once
+when the holder ran on this host and its process is gone (a rerun right after a SIGKILL).
 Taking over is write-then-read-back: of two drivers that race for a stale lease, the one whose
 token is read back after a short settle wins, the other is refused. A holder that finds its
 lease taken (it stalled past `stale_after_s`) sets `lost`; the driver stops writing then.
@@ -61,7 +62,7 @@ class OutputLease:
         current = self._read()
         if current is not None and current.get("token") != self.holder["token"]:
             age_s = time.time() - float(current.get("heartbeat_at", 0))
-            if age_s < self.stale_after_s:
+            if age_s < self.stale_after_s and not _holder_is_gone(current):
                 raise LeaseHeldError(self._refusal(current, age_s))
             _log.warning(
                 "taking over the stale lease of %s (last heartbeat %.0f s ago)",
@@ -144,3 +145,16 @@ def _who(holder: dict) -> str:
         f"job {holder.get('job', '?')!r} (host {holder.get('host', '?')}, "
         f"pid {holder.get('pid', '?')})"
     )
+
+
+def _holder_is_gone(holder: dict) -> bool:
+    """True if the holder ran on this host and no process with its pid is alive."""
+    if holder.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(int(holder.get("pid", 0)), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False

@@ -51,3 +51,21 @@ def test_heartbeat_keeps_a_live_lease_fresh(tmp_path):
         assert now > first
         with pytest.raises(LeaseHeldError):
             OutputLease(sink, job="other", stale_after_s=0.5, heartbeat_s=0.05).acquire()
+
+
+def test_lease_of_a_killed_driver_on_this_host_is_taken_at_once(tmp_path):
+    """A rerun right after a SIGKILL need not wait for the lease to go stale: its holder ran on
+    this host and its process is gone. (Fails with only the staleness rule: LeaseHeldError.)"""
+    import subprocess
+    import sys
+
+    sink = ShardSink(str(tmp_path / "out"))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    killed = OutputLease(sink, job="killed", settle_s=0)
+    killed.holder["pid"] = int(gone.stdout)
+    killed.acquire()
+    killed._stop.set()  # killed: the heartbeat stops, nothing is released, the lease is fresh
+    with OutputLease(sink, job="rerun", settle_s=0) as rerun:
+        held = json.loads((tmp_path / "out" / LEASE_NAME).read_text())
+        assert held["token"] == rerun.holder["token"]
