@@ -281,40 +281,48 @@ def test_prepare_rows_gives_each_poison_row_its_error(model_dir):
 
 
 def test_poison_job_runs_to_completion(cluster, model_dir, tmp_path):
-    """Every poison file in one job: each row written once, each bad row with its error, the
-    good rows generated; no replica restarts."""
-    inp = tmp_path / "in"
-    inp.mkdir()
-    expected = []  # (id, error words) of every row
+    """Every poison file, in one job per input contract (prompt source, its type, the id type:
+    a file that differs from the first is schema drift, skipped whole): each row written once,
+    each bad row with its error, the good rows generated; no replica restarts."""
+    groups: dict = {}
     for name, (table, words) in poison_files().items():
-        pq.write_table(table, inp / f"{name}.parquet")
         if name == "ids":
             words = [w for _, w in ID_ROWS]
-        expected += zip(table.column("id").to_pylist(), words)
-    spec = JobSpec(
-        model=model_dir,
-        name="poison",
-        input=InputSpec(path=str(inp), batch_rows=64),
-        output=OutputSpec(path=str(tmp_path / "out")),
-        sampling=GREEDY,
-        replicas=ReplicaSpec(device="cpu", max_inflight_rows=16, max_retries=1),
-        engine=EngineConfig(max_num_seqs=8, max_seq_len=MAX_SEQ_LEN, chunk_size=32),
-    )
-    report = run_job(spec)
-    rows = {}  # id -> output rows, in input order (one shard per file here)
-    for shard in sorted((tmp_path / "out").glob("*.parquet")):  # the files' schemas differ
-        for row in pq.read_table(shard, columns=["id", "error", "finish_reason"]).to_pylist():
-            rows.setdefault(row["id"], []).append(row)
-    assert sorted(rows, key=str) == sorted({i for i, _ in expected}, key=str)
-    for rid, words in expected:
-        row = rows[rid].pop(0)
-        if words is None:
-            assert row["error"] is None, (rid, row["error"])
-            assert row["finish_reason"] in ("stop", "length"), rid
-        else:
-            assert row["finish_reason"] == "error", rid
-            assert words in row["error"], (rid, row["error"])
-    assert not any(rows.values()), f"rows written twice: {rows}"
-    assert report.replica_failures == 0 and report.rows_retried == 0
-    assert report.rows_with_error == sum(w is not None for _, w in expected)
-    assert not report.unreadable_inputs
+        src = next(c for c in ("prompt_token_ids", "messages", "prompt") if c in table.column_names)
+        key = (src, str(table.schema.field(src).type), str(table.schema.field("id").type))
+        groups.setdefault(key, []).append((name, table, words))
+    for g, files in enumerate(groups.values()):
+        inp = tmp_path / f"in{g}"
+        inp.mkdir()
+        expected = []  # (id, error words) of every row
+        for name, table, words in files:
+            pq.write_table(table, inp / f"{name}.parquet")
+            expected += zip(table.column("id").to_pylist(), words)
+        out = tmp_path / f"out{g}"
+        spec = JobSpec(
+            model=model_dir,
+            name=f"poison-{g}",
+            input=InputSpec(path=str(inp), batch_rows=64),
+            output=OutputSpec(path=str(out)),
+            sampling=GREEDY,
+            replicas=ReplicaSpec(device="cpu", max_inflight_rows=16, max_retries=1),
+            engine=EngineConfig(max_num_seqs=8, max_seq_len=MAX_SEQ_LEN, chunk_size=32),
+        )
+        report = run_job(spec)
+        rows = {}  # id -> output rows, in input order (one shard per file here)
+        for shard in sorted(out.glob("*.parquet")):  # the files' schemas differ
+            for row in pq.read_table(shard, columns=["id", "error", "finish_reason"]).to_pylist():
+                rows.setdefault(row["id"], []).append(row)
+        assert sorted(rows, key=str) == sorted({i for i, _ in expected}, key=str)
+        for rid, words in expected:
+            row = rows[rid].pop(0)
+            if words is None:
+                assert row["error"] is None, (rid, row["error"])
+                assert row["finish_reason"] in ("stop", "length"), rid
+            else:
+                assert row["finish_reason"] == "error", rid
+                assert words in row["error"], (rid, row["error"])
+        assert not any(rows.values()), f"rows written twice: {rows}"
+        assert report.replica_failures == 0 and report.rows_retried == 0
+        assert report.rows_with_error == sum(w is not None for _, w in expected)
+        assert not report.unreadable_inputs
