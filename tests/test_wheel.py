@@ -71,8 +71,10 @@ def installed(tmp_path_factory):
     _run([*pip, "--python", str(py), "install", "--no-deps", "--no-index", str(wheel)], cwd=tmp)
     # Only now the test venv's packages become visible (pip must not see its editable k3batch).
     site = _run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=tmp)
-    ours = {Path(sysconfig.get_path("stdlib")).resolve(), REPO}
-    deps = [p for p in sys.path if p and Path(p).is_dir()]
+    # Not the checkout itself (its k3batch would shadow the wheel's), but the test venv may sit
+    # inside it (.venv): only the source folders and the checkout's root are left out.
+    ours = {Path(sysconfig.get_path("stdlib")).resolve(), *PACKAGE_ROOTS.values()}
+    deps = [p for p in sys.path if p and Path(p).is_dir() and Path(p).resolve() != REPO]
     deps = [p for p in deps if not any(Path(p).resolve().is_relative_to(o) for o in ours)]
     (Path(site.strip()) / "zz_test_venv_deps.pth").write_text("\n".join(deps) + "\n")
     return venv / "bin"
