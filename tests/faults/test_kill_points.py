@@ -4,7 +4,8 @@ At random points of the job one process is SIGKILLed: the replica coordinator, a
 a decode rank or the driver (then the job is rerun). Every id must be written exactly once, the
 greedy tokens must equal an uninterrupted run's, and no run may hang (each is a subprocess with a
 time limit). The slow test makes 20 kills and prints a table (kill point, victim, rows redone,
-wall time; benchmarks/faults_pp2_tp2_cpu.txt); the default suite kills one decode rank.
+wall time; benchmarks/faults_pp2_tp2_cpu.txt); one decode-rank kill mid-job (about 2 min) is
+slow too. The default suite's kills are in test_group_health.py and tests/test_job.py.
 
 Victims are found through Ray's state API (class name and job, never by process name: other
 Ray sessions may share the machine) and killed with SIGKILL, as a crash or the OOM killer would.
@@ -208,6 +209,7 @@ def format_table(results: list[KillResult]) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.slow  # ~2 min of a 5-process replica; the default suite kills in test_group_health
 def test_killed_decode_rank_is_rebuilt_exactly_once(cluster, model_dir, job_input, tmp_path):
     """The fast subset: one decode rank killed as soon as it is up (test_group_health.py kills
     stages and ranks of an idle replica)."""
