@@ -18,7 +18,6 @@ import ray
 from k3batch.driver.ids import IdIndex, id_strings, position
 from k3batch.jobspec import JobSpec
 from k3batch.prompts import RowWork, prepare_rows
-from k3batch.report import JobReport
 
 log = logging.getLogger(__name__)
 
