@@ -17,10 +17,8 @@ compute start to the last compute end.
 
 import time
 
-import ray
 import torch
 
-from k3batch.actors.pipeline import PipelineRunner
 from k3batch.bench_moe import PEAK_BF16_TFLOPS
 from k3batch.engine.config import EngineConfig
 from k3batch.model.forward_batch import ForwardBatch
@@ -39,6 +37,8 @@ def pipeline_fill(
     device: str,
     repeats: int = 2,
 ) -> list[dict]:
+    from k3batch.actors.pipeline import PipelineRunner
+
     max_len = max(chunk_counts) * chunk_tokens + 1
     cfg = EngineConfig(
         max_num_seqs=1, max_seq_len=max_len, chunk_size=chunk_tokens, max_batch_tokens=chunk_tokens
@@ -97,6 +97,8 @@ def format_fill_table(rows: list[dict], num_stages: int) -> str:
 
 
 def run_pipeline_bench(model_dir, *, num_stages, chunk_counts, chunk_tokens, device, address=None):
+    import ray
+
     started = not ray.is_initialized()
     if started:
         ray.init(
@@ -131,12 +133,14 @@ def active_params(config) -> int:
 
 
 def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, new_tokens: int,
-                      chunk_size: int, seed: int = 0, profile: bool = False) -> dict:  # fmt: skip
+                      chunk_size: int, seed: int = 0, profile: bool = False,
+                      cuda_graphs: bool = True) -> dict:  # fmt: skip
     """Single-device engine speed on random weights made on the device (no checkpoint):
     prefill tokens/s over `batch` prompts, then decode tokens/s with all of them running, and
     the decode step beside its roofline (bytes it must read over the H200's copy bandwidth).
-    With `profile`, one more prefill runs under the torch profiler and the row gets
-    "profile": the top ops by self GPU time (CPU time without CUDA)."""
+    With `profile`, one more prefill and then its first PROFILED_DECODE_STEPS decode steps
+    run under the torch profiler, and the row gets "profile" and "decode_profile": the top
+    ops by self GPU time (CPU time without CUDA)."""
     from k3batch.engine.config import EngineConfig
     from k3batch.engine.engine import Engine
     from k3batch.engine.request import Phase, SamplingParams
@@ -150,8 +154,11 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
     init_random_(model, seed).eval().set_backend("fla" if cuda else "torch")
     build_s = time.perf_counter() - t0
     cfg = EngineConfig(max_num_seqs=batch, max_seq_len=prompt_len + new_tokens + 1,
-                       chunk_size=chunk_size, max_batch_tokens=max(chunk_size, 8192))  # fmt: skip
-    engine = Engine(model, cfg)
+                       chunk_size=chunk_size, max_batch_tokens=max(chunk_size, 8192),
+                       cuda_graphs=cuda_graphs)  # fmt: skip
+    t0 = time.perf_counter()
+    engine = Engine(model, cfg)  # on CUDA: captures the decode graphs (warm-up included)
+    capture_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     sp = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
@@ -173,10 +180,10 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
         sync()
         return time.perf_counter() - t
 
-    def decode():
+    def decode(max_steps=None):
         steps = 0
         t = time.perf_counter()
-        while engine.has_unfinished():
+        while engine.has_unfinished() and steps != max_steps:
             engine.step()
             steps += 1
         sync()
@@ -193,6 +200,8 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
     row = {
         "flavor": flavor, "device": device, "batch": batch, "prompt_len": prompt_len,
         "new_tokens": new_tokens, "chunk_size": chunk_size, "build_s": round(build_s, 1),
+        "graphs": engine.runner.graphs is not None and bool(engine.runner.graphs.graphs),
+        "capture_s": round(capture_s, 1),
         "prefill_tokens_per_s": round(prefill_tps, 1),
         "prefill_tflops": round(prefill_tps * flops_per_token / 1e12, 1),
         "prefill_mfu_pct": round(100 * prefill_tps * flops_per_token / 1e12 / PEAK_BF16_TFLOPS, 1),
@@ -202,9 +211,12 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
         "decode_roofline_x": round(1000 * t_decode / max(steps, 1) / floor.floor_ms(), 2),
         "decode_bytes": {k: getattr(floor, k) for k in ("dense", "experts", "kda", "mla")},
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
+        "weights_gib": round(sum(p.nbytes for p in model.parameters()) / 2**30, 1),
+        "arena_gib": round(engine.runner.cache.total_bytes / 2**30, 1),
     }  # fmt: skip
     if profile:
-        row["profile"] = _profile_prefill(prefill, cuda)
+        row["profile"] = _profile(prefill, cuda)
+        row["decode_profile"] = _profile(lambda: decode(PROFILED_DECODE_STEPS)[0], cuda)
         decode()
     return row
 
@@ -215,33 +227,43 @@ def _decode_floor(engine, model, prefill, decode, context_lens):
     from k3batch.roofline import RouteCounter, decode_bytes
 
     prefill()
+    engine.runner.eager = True  # graph replays run no module hooks
     with RouteCounter(model) as rc:
         engine.step()
+    engine.runner.eager = False
     decode()
     return decode_bytes(model, context_lens=context_lens, experts_selected=rc.selected)
 
 
-def _profile_prefill(prefill, cuda: bool, top: int = 25) -> dict:
-    """{"wall_ms", "ops"}: one prefill under the profiler, its top ops by self device time
-    (self CPU time on CPU) with their share of the total."""
+PROFILED_DECODE_STEPS = 8
+
+
+def _profile(run, cuda: bool, top: int = 25) -> dict:
+    """{"wall_ms", "total_ms", "ops"}: `run()` (returns its wall seconds) under the profiler;
+    on CUDA its top kernels by device time (ops launch them, so counting both would count
+    the time twice), on CPU its top ops by self CPU time; each with its share of the total."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch_profile(activities=acts) as prof:
-        wall_s = prefill()
+        wall_s = run()
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
+    events = prof.key_averages()
+    if cuda:
+        events = [e for e in events if e.device_type == DeviceType.CUDA] or events
+    events = sorted(events, key=lambda e: getattr(e, attr), reverse=True)
     total_us = sum(getattr(e, attr) for e in events) or 1.0
     ops = [{"op": e.key[:70], "ms": round(getattr(e, attr) / 1000, 2), "calls": e.count,
             "pct": round(100 * getattr(e, attr) / total_us, 1)} for e in events[:top]]  # fmt: skip
     return {"wall_ms": round(1000 * wall_s, 1), "total_ms": round(total_us / 1000, 1), "ops": ops}
 
 
-def format_profile(profile: dict) -> str:
+def format_profile(profile: dict, what: str = "one prefill") -> str:
     lines = [
-        f"one prefill under the profiler: wall {profile['wall_ms']} ms, "
-        f"op time {profile['total_ms']} ms (self device time; CPU time without CUDA)",
+        f"{what} under the profiler: wall {profile['wall_ms']} ms, "
+        f"op time {profile['total_ms']} ms (kernel time; self CPU time of ops without CUDA)",
         "    ms |     % | calls | op",
     ]
     for o in profile["ops"]:

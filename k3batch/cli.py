@@ -184,9 +184,11 @@ def bench_pipeline(model_dir, stages, chunks, chunk_tokens, device, address, jso
 @click.option("--prompt-len", default=512, show_default=True, type=int)
 @click.option("--new-tokens", default=32, show_default=True, type=int)
 @click.option("--chunk-size", default=2048, show_default=True, type=int)
-@click.option("--profile", is_flag=True, help="Also print the top ops of one prefill.")
+@click.option("--profile", is_flag=True, help="Also print the top ops of prefill and decode.")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True)
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
-def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, profile, json_path):
+def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, profile, cuda_graphs,
+                 json_path):  # fmt: skip
     """Single-device engine throughput, prefill MFU and peak memory on random weights."""
     import json
 
@@ -201,10 +203,14 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, prof
         new_tokens=new_tokens,
         chunk_size=chunk_size,
         profile=profile,
+        cuda_graphs=cuda_graphs,
     )
     if profile:
+        from k3batch.bench import PROFILED_DECODE_STEPS
+
         click.echo(format_profile(row["profile"]))
-    click.echo(json.dumps({k: v for k, v in row.items() if k != "profile"}))
+        click.echo(format_profile(row["decode_profile"], f"{PROFILED_DECODE_STEPS} decode steps"))
+    click.echo(json.dumps({k: v for k, v in row.items() if "profile" not in k}))
     click.echo(
         f"decode step {row['decode_step_ms']} ms; roofline {row['decode_floor_ms']} ms "
         f"({row['decode_roofline_x']}x) = {row['decode_bytes']} bytes at 4.26 TB/s"

@@ -76,7 +76,9 @@ class DecodeRankActor:
         )
         # One extra request's room: the scratch block and page of padding rows (see Engine).
         total = arena_bytes(layout, cfg, self.device, dcp_size=self.layout.dcp_size, extra=1)
-        self.cache = PagedCache(layout, total, device=self.device, dtype=self.dtype)
+        self.cache = PagedCache(
+            layout, total, device=self.device, dtype=self.dtype, dcp_size=self.layout.dcp_size
+        )
 
     def cache_spec(self):
         return self.cache.spec

@@ -21,10 +21,12 @@ from k3batch.cache.layout import ALIGN, CacheLayout
 
 
 class PagedCache:
-    def __init__(self, layout: CacheLayout, total_bytes: int, *, device, dtype):
+    def __init__(self, layout: CacheLayout, total_bytes: int, *, device, dtype, dcp_size: int = 1):
+        """dcp_size: the DCP group this cache's pages belong to (token i of a sequence is
+        local token i // dcp_size of one rank's pages)."""
         if dtype.itemsize != layout.dtype_bytes:
             raise ValueError(f"layout.dtype_bytes = {layout.dtype_bytes} does not match {dtype}")
-        self.layout, self.page_size = layout, layout.page_size
+        self.layout, self.page_size, self.dcp_size = layout, layout.page_size, dcp_size
         self.total_bytes = total_bytes // ALIGN * ALIGN
         self.arena = torch.zeros(self.total_bytes, dtype=torch.uint8, device=device)
         bb, pb, total = layout.block_bytes, layout.page_bytes, self.total_bytes
@@ -73,14 +75,31 @@ class PagedCache:
     def rows(self, page_numbers) -> torch.Tensor:
         """Rows of the mla_latent views that hold the given page numbers."""
         t = torch.as_tensor(page_numbers, dtype=torch.long)
-        return (self.num_pages - 1 - t).to(self.arena.device)
+        return (self.num_pages - 1 - t).to(self.arena.device, non_blocking=True)
 
     def bind(self, batch) -> None:
-        """Set batch.page_rows [B, max pages] (padded) from batch.page_tables, and
-        batch.mla_pages to this cache's MLA page views (the model reads pages only there)."""
-        if batch.page_tables is None or not self.mla_latent:
+        """Put what the kernels read on the device, unless already bound (the CUDA-graph
+        runner binds static buffers): batch.slots from slot_ids; for decode, batch.positions
+        (cached_lens) and max_len; batch.page_rows [B, max pages] (padded) from page_tables
+        and batch.mla_pages, this cache's MLA page views (the model reads pages only there).
+        Checks here, on the host, that every decoding sequence has a page for its token."""
+        dev = self.arena.device
+        if batch.slots is None and batch.slot_ids is not None:
+            batch.slots = torch.tensor(batch.slot_ids, dtype=torch.long).to(dev, non_blocking=True)
+        if batch.is_decode and batch.positions is None:
+            batch.positions = torch.tensor(batch.cached_lens).to(dev, non_blocking=True)
+            batch.max_len = max(batch.cached_lens) + 1
+        if batch.page_tables is None or not self.mla_latent or batch.page_rows is not None:
             return
         batch.mla_pages = self.mla_latent
+        ps, dcp = self.page_size, self.dcp_size
+        if batch.is_decode:
+            for n, (pos, table) in enumerate(zip(batch.cached_lens, batch.page_tables)):
+                if (pos // dcp) // ps >= len(table):
+                    raise ValueError(
+                        f"sequence {n} has no page for its token at position {pos} "
+                        f"({len(table)} pages of {ps} tokens, dcp_size {dcp})"
+                    )
         width = max(1, max(len(t) for t in batch.page_tables))
         padded = [list(t) + [0] * (width - len(t)) for t in batch.page_tables]
         batch.page_rows = self.rows(padded)

@@ -56,12 +56,10 @@ class Engine:
         self.config = config = (config or EngineConfig()).validate()
         self.runner = runner or LocalRunner(model, config)
         self.decode_runner = decode_runner
-        self.pool = self._account(self.runner, config.prefix_cache, extra_blocks=0)
+        self.pool = self._account(self.runner, config.prefix_cache)
         self.decode_pool = None
         if decode_runner is not None:
-            self.decode_pool = self._account(decode_runner, False, extra_blocks=1)
-            if self.decode_pool.admit(SCRATCH, [], 1) is None:
-                raise ValueError("the decode group's pool has no room for one request")
+            self.decode_pool = self._account(decode_runner, False)
         mcfg = self.runner.config
         self.vocab_size = mcfg.vocab_size
         self.eos_token_ids = tuple(eos_token_ids or (mcfg.eos_token_id,))
@@ -70,15 +68,21 @@ class Engine:
         self._seeds: dict[str, int] = {}  # request -> its seed (drawn when none is given)
         self._errors: list[GenerationResult] = []
 
-    def _account(self, runner, prefix_cache: bool, extra_blocks: int) -> CacheManager:
+    def _account(self, runner, prefix_cache: bool) -> CacheManager:
+        """The memory account of a runner's arenas; a runner that pads decode batches gets
+        the scratch request (one block, one page) that its padding rows use."""
         static = self.config.memory_pool == "static"
-        return CacheManager(
+        pads = getattr(runner, "pads_decode", False)
+        pool = CacheManager(
             runner.cache_specs(),
             page_size=self.config.page_size,
-            static_blocks=self.config.max_num_seqs + extra_blocks if static else None,
+            static_blocks=self.config.max_num_seqs + pads if static else None,
             prefix_cache=prefix_cache,
             dcp_size=runner.dcp_size,
         )
+        if pads and pool.admit(SCRATCH, [], 1) is None:
+            raise ValueError("the cache pool has no room for the scratch rows of decode batches")
+        return pool
 
     # ---- queue ----------------------------------------------------------------------------
     def add_request(
@@ -330,10 +334,10 @@ class Engine:
 
     # ---- decode ---------------------------------------------------------------------------
     def _submit_decode(self, reqs: list[Request], runner, pool: CacheManager):
-        """One decode batch. A runner that `pads_decode` (a decode group) gets the batch
-        padded to a power of two (capped at max_num_seqs) with dummy rows in the scratch
-        block and page, so decode steps take few distinct shapes, as CUDA-graph capture
-        needs; their logits are dropped."""
+        """One decode batch. A runner that `pads_decode` (a decode group; one device with CUDA
+        graphs) gets the batch padded to a power of two (capped at max_num_seqs) with dummy
+        rows in the scratch block and page, so decode steps take the few shapes that CUDA
+        graphs were captured for; their logits are dropped."""
         rids = [r.request_id for r in reqs]
         cached = [r.num_computed for r in reqs]
         if getattr(runner, "pads_decode", False):

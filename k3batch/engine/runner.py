@@ -5,8 +5,10 @@ Protocol: `cache_specs()` lists the byte arenas it holds (one per device: `cache
 every arena (queued by the engine's `CacheManager`, run before any later call);
 `submit(ids, batch, all_logits)` starts a forward over packed token ids and returns a handle;
 `wait(handle)` returns its logits ([num_seqs, V], or [T, V] with all_logits) where they
-were made (the local runner) or on the CPU (actors); the engine samples them where they are. Calls run in submission order. `depth` is how many forwards may usefully be in
-flight at once (1 on one device; the number of stages for a pipeline).
+were made (the local runner) or on the CPU (actors); the engine samples them where they are.
+Calls run in submission order. `depth` is how many forwards may usefully be in flight at once
+(1 on one device; the number of stages for a pipeline). A runner that `pads_decode` gets decode
+batches padded to a bucket with scratch rows (see `Engine._submit_decode`).
 """
 
 import torch
@@ -14,6 +16,7 @@ import torch
 from k3batch.cache.layout import CacheLayout
 from k3batch.cache.paged import PagedCache
 from k3batch.engine.config import EngineConfig
+from k3batch.engine.graphs import DecodeGraphs
 from k3batch.model.forward_batch import ForwardBatch
 
 
@@ -36,12 +39,14 @@ def arena_bytes(
 
 
 class LocalRunner:
-    """The whole model on one device; a forward runs at submit time."""
+    """The whole model on one device; a forward runs at submit time. On CUDA with
+    `config.cuda_graphs`, decode steps replay CUDA graphs (`engine/graphs.py`), captured here;
+    `static_decode` forces the same static-buffer path without graphs (tests on CPU)."""
 
     depth = 1
     dcp_size = 1
 
-    def __init__(self, model, config: EngineConfig):
+    def __init__(self, model, config: EngineConfig, *, static_decode: bool = False):
         self.model, self.config = model, model.config
         p = next(model.parameters())
         self.device = p.device
@@ -51,8 +56,19 @@ class LocalRunner:
             page_size=config.page_size,
             dtype_bytes=p.element_size(),
         )
-        total = arena_bytes(layout, config, p.device)
+        use_graphs = config.cuda_graphs and p.device.type == "cuda"
+        self.pads_decode = use_graphs or static_decode
+        # One extra request's room for the scratch rows of padded decode batches.
+        total = arena_bytes(layout, config, p.device, extra=int(self.pads_decode))
         self.cache = PagedCache(layout, total, device=p.device, dtype=p.dtype)
+        self.graphs = None
+        if self.pads_decode:
+            self.graphs = DecodeGraphs(
+                model, self.cache, max_batch=config.max_num_seqs, max_seq_len=config.max_seq_len
+            )
+            if use_graphs:
+                self.graphs.capture()
+        self.eager = False  # set: every forward eager (hooks on modules run; graphs skip them)
 
     def cache_specs(self) -> list:
         return [self.cache.spec]
@@ -63,7 +79,10 @@ class LocalRunner:
 
     @torch.inference_mode()
     def submit(self, ids: list[int], batch: ForwardBatch, all_logits: bool):
-        x = torch.tensor(ids, dtype=torch.long, device=self.device)
+        static = batch.is_decode and not (all_logits or batch.pinned_routes or batch.routes_out)
+        if self.graphs is not None and static and not self.eager:
+            return self.graphs.run(ids, batch)
+        x = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         return self.model.forward_batch(x, batch, self.cache, all_logits=all_logits)
 
     def wait(self, handle):

@@ -6,7 +6,10 @@ addresses are indices in the device's arena (`cache/arena.py`): a KDA block per 
 table of MLA page numbers per sequence (page i holds tokens i*page_size .. of the sequence;
 under DCP, of the rank's stripe). The cache binds its views to the batch before the forward
 (`PagedCache.bind`): `page_rows` turns page numbers into rows of the page views and `mla_pages`
-holds those views, so the model reads and writes pages without importing the cache.
+holds those views, so the model reads and writes pages without importing the cache. Binding also
+puts the per-sequence indices the kernels read on the device (`slots`, `positions`) with a host
+bound on the attended lengths (`max_len`), so that a decode step reads no Python list on the
+device side: the CUDA-graph runner (`engine/graphs.py`) binds its static buffers instead.
 """
 
 from dataclasses import dataclass
@@ -25,6 +28,9 @@ class ForwardBatch:
     page_rows: torch.Tensor | None = None  # set by PagedCache.bind: [B, max pages] view rows
     # set by PagedCache.bind: MLA layer_idx -> its page view [pages, page_size, kv_lora + rope]
     mla_pages: dict[int, torch.Tensor] | None = None
+    slots: torch.Tensor | None = None  # set by bind: slot_ids on the device [B] int64
+    positions: torch.Tensor | None = None  # set by bind for decode: cached_lens on the device
+    max_len: int = 0  # set by bind for decode: a host bound on cached_lens + 1 (split sizing)
 
     def __post_init__(self):
         if len(self.seq_lens) != len(self.cached_lens):

@@ -146,7 +146,7 @@ class K3Model(nn.Module):
         sequence's last new token, or [T, V] for every token with all_logits."""
         stream = self.run_layers(self.embed(input_ids_T), batch, cache)
         h = self.final_hidden(stream)
-        if not all_logits:
+        if not all_logits and batch.num_tokens != batch.num_seqs:
             h = h[batch.last_token_idx]
         return self.lm_head(h)
 

@@ -50,7 +50,7 @@ class KimiDeltaAttention(nn.Module):
         if batch.is_decode and cache is not None:
             # In place on the cache: each sequence's conv and recurrent state are read from and
             # written to its KDA block, with no gather and no new state tensor.
-            slots = torch.tensor(batch.slot_ids, device=x_TD.device)
+            slots = batch.slots
             pool = cache.kda_conv[self.layer_idx]
             q, k, v = (
                 ops.short_conv_decode_(
@@ -115,7 +115,7 @@ class KimiDeltaAttention(nn.Module):
             **gate,
         )
         if cache is not None:
-            slots = torch.tensor(batch.slot_ids, device=x_TD.device)
+            slots = batch.slots
             cache.kda_state[self.layer_idx].index_copy_(0, slots, state_out)
             conv = torch.stack(conv_out, dim=1).to(cache.kda_conv[self.layer_idx].dtype)
             cache.kda_conv[self.layer_idx].index_copy_(0, slots, conv)

@@ -167,14 +167,11 @@ class KimiMLAAttention(nn.Module):
         pool = _pool(batch, self.layer_idx)
         if pool is None:
             raise ValueError(f"MLA layer {self.layer_idx}: decode needs batch.mla_pages")
-        ps, pos = pool.shape[1], batch.cached_lens
-        if any(p // ps >= len(t) for p, t in zip(pos, batch.page_tables)):
-            raise ValueError("a sequence has no page for its next token")
-        pos_B = torch.tensor(pos).to(q_BHQ.device, non_blocking=True)
+        ps, pos_B = pool.shape[1], batch.positions  # bound by the cache: pages checked there
         rows_B = batch.page_rows.gather(1, (pos_B // ps)[:, None])[:, 0]
         pool[rows_B, pos_B % ps] = latent_BC.to(pool.dtype)
         ctx_BHL, _ = self.attend_pages(
-            self.absorb(q_BHQ), pool, batch.page_rows, (pos_B + 1).to(torch.int32), max(pos) + 1
+            self.absorb(q_BHQ), pool, batch.page_rows, (pos_B + 1).to(torch.int32), batch.max_len
         )
         return self.unabsorb(ctx_BHL)
 

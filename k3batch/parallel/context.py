@@ -52,12 +52,7 @@ class ContextParallelMLA(KimiMLAAttention):
         B, H, L = q_BHQ.shape[0], self.num_heads, self.kv_lora
         pool = batch.mla_pages[self.layer_idx]  # [P, page_size, C]: local tokens in pages
         ps = pool.shape[1]
-        pos = list(batch.cached_lens)  # global position of each new token
-        if any((p // M) // ps >= len(t) for p, t in zip(pos, batch.page_tables)):
-            raise ValueError(
-                f"a sequence has no page for its next token (local position = position // "
-                f"dcp_size {M}, pages of {ps} local tokens)"
-            )
+        pos = list(batch.cached_lens)  # global position of each new token (pages: bind checks)
         own = [b for b, p in enumerate(pos) if p % M == d]
         if own:  # only the owner stores the new token
             idx = torch.tensor(own, device=dev)

@@ -1,0 +1,105 @@
+"""The decode step on static buffers, replayed as one CUDA graph per batch bucket.
+
+A decode step reads four things per sequence: its token id, its KDA block (slot), its position
+(the cached length) and its page table. They live here in one device buffer at fixed offsets
+for `max_batch` sequences; a step writes them into a pinned host copy of that buffer and moves
+it with ONE host-to-device copy, then replays the graph of its bucket, whose kernels read those
+offsets. The engine pads decode batches to a bucket (powers of two, capped at `max_batch`)
+with rows in a scratch block and page (`Engine`, `pads_decode`), so a step always hits a
+captured shape; a batch that is not a bucket runs eagerly on the same buffers.
+
+Capture (`capture()`, once, before any request holds the cache): every bucket runs twice
+eagerly first (Triton compiles and fla autotunes there, never inside a capture), then the
+graphs are captured from the largest bucket down, sharing one memory pool. The warm-up runs
+write into KDA block 0 and page 0; nothing is cached yet, and a prefill never reads a block
+or page it has not written. Logits come back in the graph's static output: consume them
+before the next step.
+
+The attended lengths are bounded by `max_seq_len` for every bucket (`ForwardBatch.max_len`
+sizes the MLA decode split), so that the split count is fixed at capture time.
+"""
+
+import torch
+
+from k3batch.model.forward_batch import ForwardBatch
+
+
+def buckets_up_to(max_batch: int) -> list[int]:
+    """1, 2, 4, ... below max_batch, then max_batch: the decode batch sizes the engine pads to."""
+    out = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
+    return out + [max_batch]
+
+
+class DecodeGraphs:
+    def __init__(self, model, cache, *, max_batch: int, max_seq_len: int):
+        self.model, self.cache = model, cache
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.max_pages = -(-max_seq_len // cache.page_size)
+        B, P = max_batch, self.max_pages
+        dev = cache.arena.device
+        # [ids B | slots B | positions B | page rows B x P], int64
+        self._host = torch.zeros(3 * B + B * P, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._dev = torch.zeros(3 * B + B * P, dtype=torch.long, device=dev)
+        self.ids, self.slots, self.positions = self._dev[: 3 * B].view(3, B)
+        self.page_rows = self._dev[3 * B :].view(B, P)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+
+    @property
+    def buckets(self) -> list[int]:
+        return buckets_up_to(self.max_batch)
+
+    def _batch(self, b: int) -> ForwardBatch:
+        """A decode batch of b rows bound to the static buffers (host lists are placeholders:
+        nothing on the decode path reads their values)."""
+        batch = ForwardBatch(seq_lens=[1] * b, cached_lens=[1] * b, slot_ids=[0] * b,
+                             page_tables=[[0]] * b)  # fmt: skip
+        batch.slots, batch.positions = self.slots[:b], self.positions[:b]
+        batch.max_len = self.max_seq_len
+        if self.cache.mla_latent:
+            batch.page_rows, batch.mla_pages = self.page_rows[:b], self.cache.mla_latent
+        return batch
+
+    def _forward(self, b: int) -> torch.Tensor:
+        return self.model.forward_batch(self.ids[:b], self._batch(b), self.cache)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm every bucket up eagerly, then capture one graph per bucket (largest first)."""
+        self._dev.zero_()
+        self.page_rows.copy_(self.cache.rows([0]).expand_as(self.page_rows))
+        self.positions.fill_(1)
+        for b in self.buckets:
+            for _ in range(2):
+                self._forward(b)
+        torch.cuda.synchronize()
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.buckets):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self._logits[b] = self._forward(b)
+            self.graphs[b] = g
+        torch.cuda.synchronize()
+
+    def run(self, ids: list[int], batch: ForwardBatch) -> torch.Tensor:
+        """Logits [len(ids), V] of one decode step: the batch's rows staged in one copy, then
+        the bucket's graph replayed (eager on the same buffers when none was captured)."""
+        b, B, P, ps = len(ids), self.max_batch, self.max_pages, self.cache.page_size
+        if b > B or any(len(t) > P for t in batch.page_tables):
+            raise ValueError(f"decode batch of {b} rows exceeds the static buffers ({B} x {P})")
+        for n, (pos, t) in enumerate(zip(batch.cached_lens, batch.page_tables)):
+            if pos // ps >= len(t):
+                raise ValueError(f"sequence {n} has no page for its token at position {pos}")
+        host = self._host
+        host[:b] = torch.tensor(ids)
+        host[B : B + b] = torch.tensor(batch.slot_ids)
+        host[2 * B : 2 * B + b] = torch.tensor(batch.cached_lens)
+        table = torch.zeros(b, P, dtype=torch.long)
+        for n, t in enumerate(batch.page_tables):
+            table[n, : len(t)] = torch.tensor(t)
+        host[3 * B : 3 * B + b * P] = (self.cache.num_pages - 1 - table).view(-1)
+        self._dev.copy_(host, non_blocking=True)
+        if b in self.graphs:
+            self.graphs[b].replay()
+            return self._logits[b]
+        return self._forward(b)
