@@ -7,15 +7,17 @@ T k / E slots per expert). Useful FLOPs: 2 T k (3 D I) per layer (gate-up 2 D 2 
 Rows: "experts" (the whole `fused_experts` pass: sort, gather, grouped GEMMs, fused activation,
 combine), "gemm" (the two grouped GEMMs alone on pre-sorted rows, the ceiling of this design),
 "experts-split2" / "gemm-split2" (each grouped GEMM cut into two row halves, for smaller CUTLASS
-tiles: see `k3kernels.moe.grouped_gemm`), "experts-triton64" / "gemm-triton64" (the Triton
-grouped GEMM with 64-row tiles, `k3kernels.moe.grouped_gemm_triton`), "torch-elementwise" (the
+tiles: see `k3kernels.moe.grouped_gemm`), "experts-triton" / "gemm-triton" (the Triton
+grouped GEMM, 16-row tiles at decode shapes and 64 at prefill, `k3kernels.moe.grouped_gemm_triton`), "torch-elementwise" (the
 pass with torch activation and combine, to show what fusing buys) and "loop-before" (the
 per-expert loop this replaced: counts read on the host, two GEMMs for gate and up, torch
 activation, index_add_). A row that fails reports its error instead of a time.
 First H200 run (torch 2.11): experts 22.0 ms = 345 TFLOP/s (44% of peak), gemm 20.1 ms = 378
 TFLOP/s (49%), torch-elementwise 35.0 ms (28%): the grouped GEMMs' tile waste (see
 grouped_gemm.py) bounds this design, not the sort, activation or combine (2 ms together).
-Times are CUDA-event medians of whole passes over all layers after a warm-up.
+Times are CUDA-event medians of whole passes over all layers after a warm-up. At decode
+shapes (few tokens) the column that matters is TB/s: the bytes of the experts the routes touch
+(each read once) over the time, against the copy bandwidth (4.26 TB/s on the H200).
 """
 
 import statistics
@@ -78,6 +80,8 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
     D = layers[0][0].shape[1]
     k, I = config.num_experts_per_token, config.moe_intermediate_size
     flops = num_layers * 2 * num_tokens * k * 3 * D * I
+    touched = sum(int(ids.unique().numel()) for _, _, _, ids, _ in layers)
+    weight_bytes = touched * 3 * D * I * 2  # bf16 w13 [2I, D] + w2 [D, I] per expert
     sorted_rows = []
     for x, w13, w2, ids, _ in layers:
         order = sort_slots(ids, config.num_experts)
@@ -110,8 +114,8 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
     rows = []
     impls = [("experts", experts(True)), ("gemm", gemm_only()),
              ("experts-split2", experts(True, 2)), ("gemm-split2", gemm_only(2)),
-             ("experts-triton64", experts(True, impl="triton")),
-             ("gemm-triton64", gemm_only(impl="triton")),
+             ("experts-triton", experts(True, impl="triton")),
+             ("gemm-triton", gemm_only(impl="triton")),
              ("torch-elementwise", experts(False)), ("loop-before", loop_before)]  # fmt: skip
     for impl, fn in impls:
         try:
@@ -122,6 +126,7 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
         tflops = flops / ms / 1e9
         rows.append({"impl": impl, "flavor": flavor, "layers": num_layers, "tokens": num_tokens,
                      "ms": round(ms, 3), "tflops": round(tflops, 1),
+                     "weight_tbps": round(weight_bytes / ms / 1e9, 2),
                      "pct_peak": round(100 * tflops / PEAK_BF16_TFLOPS, 1)})  # fmt: skip
     return rows
 
@@ -157,13 +162,14 @@ def format_moe_table(rows: list[dict]) -> str:
     lines = [
         f"routed experts, {r0['flavor']}: {r0['layers']} layers x {r0['tokens']} tokens, bf16; "
         f"peak {PEAK_BF16_TFLOPS:.0f} TFLOP/s",
-        "impl              |      ms | TFLOP/s | % of peak",
+        "impl              |      ms | TFLOP/s | % of peak | expert TB/s",
     ]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['impl']:17s} | error: {r['error']}")
             continue
         lines.append(
-            f"{r['impl']:17s} | {r['ms']:7.2f} | {r['tflops']:7.1f} | {r['pct_peak']:8.1f}%"
+            f"{r['impl']:17s} | {r['ms']:7.2f} | {r['tflops']:7.1f} | {r['pct_peak']:8.1f}% | "
+            f"{r['weight_tbps']:11.2f}"
         )
     return "\n".join(lines)

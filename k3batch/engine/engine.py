@@ -320,8 +320,11 @@ class Engine:
         try:
             yield
         except Exception as e:
-            log.exception("request %s failed; the others go on", req.request_id)
-            self._abort(req, f"{type(e).__name__}: {e}")
+            self._fail_alone(req, e)
+
+    def _fail_alone(self, req: Request, e: Exception) -> None:
+        log.exception("request %s failed; the others go on", req.request_id)
+        self._abort(req, f"{type(e).__name__}: {e}")
 
     def _add_prompt_logprobs(self, req: Request, rows_TV, start: int, n: int) -> None:
         """rows_TV: logits at prompt positions start .. start+n-1."""
@@ -371,9 +374,11 @@ class Engine:
                     (tok,), lp = self._draw([r], logits_BV[i : i + 1])
                     self._append_token(r, tok, lp[0] if lp else None)
             return
-        for i, r in enumerate(reqs):
-            with self._failing_alone(r):
+        for i, r in enumerate(reqs):  # the hot loop of a decode step: no context manager
+            try:
                 self._append_token(r, tokens[i], logprobs[i] if logprobs else None)
+            except Exception as e:
+                self._fail_alone(r, e)
 
     def _draw(self, reqs: list[Request], logits_BV):
         return sample_batch(

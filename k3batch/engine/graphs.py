@@ -42,6 +42,7 @@ class DecodeGraphs:
         self._dev = torch.zeros(3 * B + B * P, dtype=torch.long, device=dev)
         self.ids, self.slots, self.positions = self._dev[: 3 * B].view(3, B)
         self.page_rows = self._dev[3 * B :].view(B, P)
+        self._tables: list[list[int]] = [[] for _ in range(B)]  # page tables staged per row
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
 
@@ -68,6 +69,7 @@ class DecodeGraphs:
         """Warm every bucket up eagerly, then capture one graph per bucket (largest first)."""
         self._dev.zero_()
         self.page_rows.copy_(self.cache.rows([0]).expand_as(self.page_rows))
+        self._host[3 * self.max_batch :] = self.page_rows.view(-1).cpu()
         self.positions.fill_(1)
         for b in self.buckets:
             for _ in range(2):
@@ -82,23 +84,32 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def run(self, ids: list[int], batch: ForwardBatch) -> torch.Tensor:
-        """Logits [len(ids), V] of one decode step: the batch's rows staged in one copy, then
-        the bucket's graph replayed (eager on the same buffers when none was captured)."""
+        """Logits [len(ids), V] of one decode step: the batch's rows staged (ids, slots and
+        positions every step; page-table rows only where they changed, usually by one
+        appended page), then the bucket's graph replayed (eager on the same buffers when
+        none was captured). The previous step's copy is done: its tokens came back."""
         b, B, P, ps = len(ids), self.max_batch, self.max_pages, self.cache.page_size
-        if b > B or any(len(t) > P for t in batch.page_tables):
+        tables = batch.page_tables
+        if b > B or any(len(t) > P for t in tables):
             raise ValueError(f"decode batch of {b} rows exceeds the static buffers ({B} x {P})")
-        for n, (pos, t) in enumerate(zip(batch.cached_lens, batch.page_tables)):
+        for n, (pos, t) in enumerate(zip(batch.cached_lens, tables)):
             if pos // ps >= len(t):
                 raise ValueError(f"sequence {n} has no page for its token at position {pos}")
         host = self._host
         host[:b] = torch.tensor(ids)
         host[B : B + b] = torch.tensor(batch.slot_ids)
         host[2 * B : 2 * B + b] = torch.tensor(batch.cached_lens)
-        table = torch.zeros(b, P, dtype=torch.long)
-        for n, t in enumerate(batch.page_tables):
-            table[n, : len(t)] = torch.tensor(t)
-        host[3 * B : 3 * B + b * P] = (self.cache.num_pages - 1 - table).view(-1)
-        self._dev.copy_(host, non_blocking=True)
+        self._dev[: 3 * B].copy_(host[: 3 * B], non_blocking=True)
+        rows = host[3 * B :].view(B, P)
+        changed = False
+        for n, t in enumerate(tables):
+            old = self._tables[n]
+            if t != old:
+                keep = len(old) if len(old) <= len(t) and t[: len(old)] == old else 0
+                rows[n, keep : len(t)] = self.cache.num_pages - 1 - torch.tensor(t[keep:])
+                self._tables[n], changed = list(t), True
+        if changed:
+            self._dev[3 * B :].copy_(host[3 * B :], non_blocking=True)
         if b in self.graphs:
             self.graphs[b].replay()
             return self._logits[b]

@@ -73,7 +73,7 @@ class Phase(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is an entity: compared by identity (lists scan it per step)
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -81,7 +81,8 @@ def test_graph_replay_equals_eager_every_bucket():
     eager_cfg = EngineConfig(**kw, cuda_graphs=False)
     for b in buckets_up_to(8):
         prompts = _prompts(b, model.config.vocab_size, seed=b)
-        params = [SamplingParams(max_new_tokens=32, ignore_eos=True, logprobs=True)] * b
+        params = [SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True,
+                                 logprobs=True)] * b  # fmt: skip
         out = Engine(model, EngineConfig(**kw), runner=graphed).generate(prompts, params)
         eager_tokens, eager_lp = _run(model, eager_cfg, prompts, params, static_decode=True)
         assert [r.output_token_ids for r in out] == eager_tokens, f"bucket {b}"

@@ -102,7 +102,7 @@ def _check_combine(T, k, D, dtype, device):
 
 def _check_grouped_mm_triton(device, **blocks):
     """The Triton grouped GEMM against the loop, fp32 and bf16, with empty groups, groups longer
-    than one 64-row tile and unused rows at the end."""
+    than one row tile (16 or 64 rows) and unused rows at the end."""
     from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton
 
     g = torch.Generator().manual_seed(4)
@@ -186,6 +186,7 @@ def _interpreted_checks():
     for name in ("T33-D32-I24-E8-k2", "T33-D32-I24-E8-k2-ep4of8"):
         _check_experts(TINY[name], torch.float32, "cpu", use_triton=True)
     _check_grouped_mm_triton("cpu", block_n=16, block_k=16)
+    _check_grouped_mm_triton("cpu", block_m=16, block_n=16, block_k=16)  # the decode tiles
     _check_experts(TINY["T33-D32-I24-E8-k2-ep4of8"], torch.float32, "cpu", use_triton=True,
                    gemm_impl="triton")  # fmt: skip
 
@@ -207,8 +208,10 @@ def test_fused_experts_matches_reference_gpu(shape, dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_grouped_mm_triton_gpu():
     _check_grouped_mm_triton("cuda")
-    _check_experts(K3_SLICE["T8192-prefill"], torch.bfloat16, "cuda", use_triton=True,
-                   gemm_impl="triton")  # fmt: skip
+    _check_grouped_mm_triton("cuda", block_m=16, block_n=64, block_k=128, num_stages=4)
+    for shape in ("T8192-prefill", "T64-decode"):
+        _check_experts(K3_SLICE[shape], torch.bfloat16, "cuda", use_triton=True,
+                       gemm_impl="triton")  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
