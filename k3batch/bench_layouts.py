@@ -174,7 +174,7 @@ class _Context:
                                    dtype_bytes=self.dtype.itemsize, tp_size=tp_size)  # fmt: skip
         pages = layout.request_pages(num_tokens, dcp_size)
         total = num_requests * layout.request_bytes(num_tokens, dcp_size)
-        cache = PagedCache(layout, total, device=self.device, dtype=self.dtype)
+        cache = PagedCache(layout, total, device=self.device, dtype=self.dtype, dcp_size=dcp_size)
         return cache, [list(range(i * pages, (i + 1) * pages)) for i in range(num_requests)]
 
     def max_over_ranks(self, x: float) -> float:

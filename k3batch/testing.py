@@ -171,7 +171,7 @@ def slot_cache(config, layer_ids, *, num_slots: int, max_seq_len: int, device, d
         config, layer_ids, page_size=page_size, dtype_bytes=dtype.itemsize, tp_size=tp_size
     )
     total = num_slots * layout.request_bytes(max_seq_len, dcp_size)
-    cache = PagedCache(layout, total, device=device, dtype=dtype)
+    cache = PagedCache(layout, total, device=device, dtype=dtype, dcp_size=dcp_size)
     cache.pages_per_slot = layout.request_pages(max_seq_len, dcp_size)
     return cache
 
