@@ -30,7 +30,13 @@ class Router(nn.Module):
 
     def forward(self, x_TD, pinned_ids=None):
         """Returns (expert ids [T, k] int64, weights [T, k] fp32)."""
-        scores = torch.sigmoid(x_TD.float() @ self.weight.float().t())  # [T, E]
+        if x_TD.is_cuda and x_TD.dtype == self.weight.dtype == torch.bfloat16:
+            # bf16 products are exact in fp32 and summed in fp32: the fp32 GEMM's math with no
+            # fp32 copy of the weight per call (CUDA only).
+            logits = torch.mm(x_TD, self.weight.t(), out_dtype=torch.float32)
+        else:
+            logits = x_TD.float() @ self.weight.float().t()
+        scores = torch.sigmoid(logits)  # [T, E]
         if pinned_ids is None:
             ids = torch.topk(
                 scores + self.e_score_correction_bias.float(), self.top_k, dim=-1
