@@ -29,6 +29,7 @@ from k3batch.engine.config import EngineConfig
 from k3batch.engine.runner import arena_bytes
 from k3batch.model.config import K3Config
 from k3batch.model.forward_batch import ForwardBatch
+from k3batch.model.loader import resolve_expert_dtype
 from k3batch.parallel import handoff, tp
 from k3batch.parallel.group import ParallelLayout, create_groups
 
@@ -63,8 +64,9 @@ class DecodeRankActor:
         join_process_group(self.device.type, host, port, self.tp_rank, self.layout.tp_size)
         tp_group, dcp_group = create_groups(self.layout)
         self.model = tp.build_rank_model(
-            self.config, self.layout, tp_group, dcp_group, dtype=self.dtype, device=self.device
-        )
+            self.config, self.layout, tp_group, dcp_group, dtype=self.dtype, device=self.device,
+            expert_dtype=resolve_expert_dtype(self.model_dir),
+        )  # fmt: skip
         tp.load_rank_weights_(self.model, self.model_dir, self.layout, self.tp_rank)
         self.model.eval()
         cfg = self.engine_config

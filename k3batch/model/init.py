@@ -13,6 +13,8 @@ import math
 import torch
 from torch import nn
 
+from k3kernels.moe.mxfp4 import quantize_mxfp4
+
 _OUT_PROJ = ("o_proj", "down_proj", "w2", "routed_expert_up_proj")
 
 
@@ -24,9 +26,15 @@ def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
     def normal(shape, std, mean=0.0):
         return torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * std + mean
 
-    for name, p in model.named_parameters():
+    params = dict(model.named_parameters())
+    for name, p in params.items():
         leaf = name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1]
         shape = p.shape
+        if leaf.endswith("_scale"):
+            continue  # filled with its packed values below
+        if leaf.endswith("_packed"):  # packed experts: drawn as the bf16 ones, then quantized
+            _init_packed_(p, params[name.removesuffix("_packed") + "_scale"], leaf, normal)
+            continue
         if "norm" in leaf:
             val = normal(shape, 0.1, 1.0)
         elif leaf.endswith("res_proj"):
@@ -50,3 +58,15 @@ def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
             val = normal(shape, std)
         p.copy_(val.to(p.dtype))
     return model
+
+
+def _init_packed_(packed, scale, leaf: str, normal) -> None:
+    """MXFP4 experts [E, out, in/2] with their scales: each expert drawn like a bf16 one (w13 as
+    its w1 then w3 rows, w2 scaled as an output projection), then quantized, one at a time."""
+    fan_in = 2 * packed.shape[-1]
+    std = 1 / math.sqrt(fan_in) * (0.5 if leaf == "w2_packed" else 1.0)
+    for e in range(packed.shape[0]):
+        w = normal((packed.shape[1], fan_in), std)
+        p, s = quantize_mxfp4(w)
+        packed[e].copy_(p)
+        scale[e].copy_(s)

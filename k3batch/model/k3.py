@@ -30,7 +30,7 @@ class Embedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, dtype=None, device=None):
+    def __init__(self, config, layer_idx: int, dtype=None, device=None, expert_dtype="bf16"):
         super().__init__()
         self.layer_idx = layer_idx
         D, eps = config.hidden_size, config.rms_norm_eps
@@ -40,7 +40,7 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = KimiMLAAttention(config, layer_idx, dtype, device)
         if config.is_moe_layer(layer_idx):
-            self.block_sparse_moe = SparseMoE(config, layer_idx, dtype, device)
+            self.block_sparse_moe = SparseMoE(config, layer_idx, dtype, device, expert_dtype)
         else:
             self.mlp = GatedMLP(config, D, config.intermediate_size, dtype, device)
         self.input_layernorm = RMSNorm(D, eps, dtype, device)
@@ -78,12 +78,14 @@ class K3Model(nn.Module):
 
     `forward(input_ids [B, T])` is the plain API: a full causal forward from an empty cache,
     returning logits [B, T, V]. The engine calls `forward_batch` with packed tokens, a
-    `ForwardBatch` and a cache.
+    `ForwardBatch` and a cache. `expert_dtype`: "bf16" (routed experts in `dtype`) or "mxfp4"
+    (kept packed, see `moe.Experts`).
     """
 
     def __init__(
-        self, config, *, layer_range: tuple[int, int] | None = None, dtype=None, device=None
-    ):
+        self, config, *, layer_range: tuple[int, int] | None = None, dtype=None, device=None,
+        expert_dtype: str = "bf16",
+    ):  # fmt: skip
         super().__init__()
         self.config = config
         first, last = layer_range or (0, config.num_hidden_layers)
@@ -93,7 +95,10 @@ class K3Model(nn.Module):
         if first == 0:
             self.model.embed_tokens = Embedding(config.vocab_size, D, dtype, device)
         self.model.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(config, i, dtype, device) for i in range(first, last)}
+            {
+                str(i): DecoderLayer(config, i, dtype, device, expert_dtype)
+                for i in range(first, last)
+            }
         )
         if last == config.num_hidden_layers:
             self.model.norm = RMSNorm(D, eps, dtype, device)

@@ -11,9 +11,22 @@ import torch
 
 from k3batch.model.config import K3Config
 from k3batch.model.k3 import K3Model
-from k3batch.model.weights import load_weights_, plan_load
+from k3batch.model.moe import EXPERT_DTYPES
+from k3batch.model.weights import load_weights_, plan_load, read_weight_map
 
 _BACKENDS = ("auto", "torch", "fla")
+
+
+def resolve_expert_dtype(path, expert_dtype: str = "auto") -> str:
+    """The routed experts in memory for the checkpoint at `path`: "auto" keeps them as the
+    checkpoint stores them ("mxfp4", packed, when its index holds MXFP4 halves; else "bf16");
+    "bf16" dequantizes MXFP4 experts at load; "mxfp4" needs MXFP4 experts in the checkpoint."""
+    if expert_dtype not in ("auto", *EXPERT_DTYPES):
+        raise ValueError(f"expert_dtype = {expert_dtype!r}; expected auto or one of {EXPERT_DTYPES}")
+    stored = "mxfp4" if any(n.endswith(".weight_packed") for n in read_weight_map(path)) else "bf16"
+    if expert_dtype == "mxfp4" and stored != "mxfp4":
+        raise ValueError(f"expert_dtype = 'mxfp4' needs MXFP4 experts; {path} stores bf16 ones")
+    return stored if expert_dtype == "auto" else expert_dtype
 
 
 def load_model(
@@ -23,6 +36,7 @@ def load_model(
     device: str | torch.device = "cpu",
     layer_range: tuple[int, int] | None = None,
     backend: str = "auto",
+    expert_dtype: str = "auto",
 ) -> K3Model:
     """Load the checkpoint at `path`.
 
@@ -34,6 +48,8 @@ def load_model(
             embedding comes along on the first stage, the final AttnRes, norm and lm_head on the
             last; other tensors are not read.
         backend: KDA backend, "torch" or "fla"; "auto" picks "fla" on CUDA, else "torch".
+        expert_dtype: the routed experts in memory (`resolve_expert_dtype`): by default packed
+            MXFP4 when the checkpoint stores them so, multiplied by the W4A16 kernel.
     Raises:
         ValueError: bad arguments, a bad config.json, or a checkpoint whose tensors do not match
             the config (the message names the tensor).
@@ -49,8 +65,9 @@ def load_model(
                 f"num_hidden_layers = {config.num_hidden_layers}"
             )
         layer_range = (first, last)
+    expert_dtype = resolve_expert_dtype(path, expert_dtype)
     with torch.device("meta"):
-        model = K3Model(config, layer_range=layer_range, dtype=dtype)
+        model = K3Model(config, layer_range=layer_range, dtype=dtype, expert_dtype=expert_dtype)
     plan = plan_load(path, model)  # raises before anything is allocated
     model.to_empty(device=device)
     load_weights_(model, plan)

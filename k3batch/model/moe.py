@@ -14,6 +14,9 @@ from torch import nn
 
 from k3batch.model.layers import GatedMLP, RMSNorm, linear
 from k3kernels.moe.experts import fused_experts
+from k3kernels.moe.mxfp4 import GROUP_SIZE, MXFP4Weight
+
+EXPERT_DTYPES = ("bf16", "mxfp4")
 
 
 class Router(nn.Module):
@@ -53,10 +56,17 @@ class Experts(nn.Module):
     """E gated experts stacked as w13 [E, 2 I, Din] (gate rows w1 then up rows w3, fused so one
     GEMM computes both) and w2 [E, Din, I]. The checkpoint's experts.{e}.w1 / w3 / w2 map onto
     slices of these (`w1` and `w3` are views). Holds experts [first_expert, first_expert + E):
-    0 for the whole model, an expert-parallel rank's range otherwise."""
+    0 for the whole model, an expert-parallel rank's range otherwise.
 
-    def __init__(self, config, in_size: int, dtype=None, device=None):
+    expert_dtype "mxfp4" keeps them packed as the checkpoint stores them (uint8, no gradient):
+    w13_packed [E, 2 I, Din/2] with w13_scale [E, 2 I, ceil(Din/32)], and w2_packed / w2_scale;
+    the forward multiplies them through the W4A16 kernel (`k3kernels.moe.w4a16`), ~0.27x the
+    bytes of bf16 experts. "bf16" holds them in the model dtype."""
+
+    def __init__(self, config, in_size: int, dtype=None, device=None, expert_dtype: str = "bf16"):
         super().__init__()
+        if expert_dtype not in EXPERT_DTYPES:
+            raise ValueError(f"expert_dtype = {expert_dtype!r}; expected one of {EXPERT_DTYPES}")
         E, I = config.num_experts, config.moe_intermediate_size
         self.act, self.beta, self.linear_beta = (
             config.hidden_act,
@@ -64,8 +74,17 @@ class Experts(nn.Module):
             config.situ_linear_beta,
         )
         self.first_expert = 0
-        self.w13 = nn.Parameter(torch.empty(E, 2 * I, in_size, dtype=dtype, device=device))
-        self.w2 = nn.Parameter(torch.empty(E, in_size, I, dtype=dtype, device=device))
+        self.packed = expert_dtype == "mxfp4"
+        if not self.packed:
+            self.w13 = nn.Parameter(torch.empty(E, 2 * I, in_size, dtype=dtype, device=device))
+            self.w2 = nn.Parameter(torch.empty(E, in_size, I, dtype=dtype, device=device))
+            return
+        for name, rows, cols in (("w13", 2 * I, in_size), ("w2", in_size, I)):
+            if cols % 2:
+                raise ValueError(f"MXFP4 experts need an even input width, {name} has {cols}")
+            for part, width in (("packed", cols // 2), ("scale", -(-cols // GROUP_SIZE))):
+                t = torch.empty(E, rows, width, dtype=torch.uint8, device=device)
+                self.register_parameter(f"{name}_{part}", nn.Parameter(t, requires_grad=False))
 
     @property
     def w1(self):
@@ -77,11 +96,19 @@ class Experts(nn.Module):
         """Up weights [E, I, Din] (a view of w13)."""
         return self.w13[:, self.w2.shape[2] :]
 
+    def weights(self):
+        """(w13, w2) as the kernels take them: tensors, or `MXFP4Weight`s when packed."""
+        if self.packed:
+            return (MXFP4Weight(self.w13_packed, self.w13_scale),
+                    MXFP4Weight(self.w2_packed, self.w2_scale))  # fmt: skip
+        return self.w13, self.w2
+
     def forward(self, x_TD, ids_Tk, weights_Tk):
         """sum_i w_i E_i(x) per token over the experts held here, accumulated in fp32;
         returns fp32 [T, Din]. Grouped GEMMs, no host sync (`k3kernels.moe.experts`)."""
+        w13, w2 = self.weights()
         return fused_experts(
-            x_TD, self.w13, self.w2, ids_Tk, weights_Tk, act=self.act, beta=self.beta,
+            x_TD, w13, w2, ids_Tk, weights_Tk, act=self.act, beta=self.beta,
             linear_beta=self.linear_beta, first_expert=self.first_expert,
         )  # fmt: skip
 
@@ -90,12 +117,12 @@ class SparseMoE(nn.Module):
     """HF `block_sparse_moe`: gate (router), experts, shared_experts, and for K3 the latent
     projections routed_expert_down_proj / routed_expert_up_proj / routed_expert_norm."""
 
-    def __init__(self, config, layer_idx: int, dtype=None, device=None):
+    def __init__(self, config, layer_idx: int, dtype=None, device=None, expert_dtype="bf16"):
         super().__init__()
         self.layer_idx = layer_idx
         D, latent = config.hidden_size, config.routed_expert_hidden_size
         self.gate = Router(config, dtype, device)
-        self.experts = Experts(config, latent or D, dtype, device)
+        self.experts = Experts(config, latent or D, dtype, device, expert_dtype)
         if config.num_shared_experts:
             inter = config.moe_intermediate_size * config.num_shared_experts
             self.shared_experts = GatedMLP(config, D, inter, dtype, device)

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from k3batch.model.config import K3Config, get_flavor
 from k3batch.model.init import init_random_
 from k3batch.model.k3 import K3Model
-from k3batch.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from k3kernels.moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -173,7 +173,7 @@ def plan_load(path, model: K3Model) -> LoadPlan:
         entry = by_name.get(name)
         if entry is None:
             unexpected.append(raw)
-        elif entry.param in params:
+        elif holds(params, entry):
             shards.setdefault(file, []).append((raw, entry))
             present.add(name)
     if unexpected:
@@ -183,7 +183,7 @@ def plan_load(path, model: K3Model) -> LoadPlan:
         )
     missing = []
     for entry in _entries(full, config.experts_mxfp4):
-        if entry.name in present or entry.param not in params:
+        if entry.name in present or not holds(params, entry):
             continue
         if entry.expert is not None and _alternative_complete(entry, present):
             continue
@@ -218,13 +218,56 @@ def _listing(names: list[str]) -> str:
     return shown + (f" (and {len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else "")
 
 
+def holds(params: dict, entry: Entry) -> bool:
+    """Whether a model with these named parameters takes checkpoint tensor `entry` (a model
+    with packed experts holds `{param}_packed` / `{param}_scale` instead of `{param}`)."""
+    return entry.param in params or f"{entry.param}_packed" in params
+
+
+def load_expert_(params: dict, entry: Entry, e: int, t: torch.Tensor, halves: dict,
+                 raw: str, copy_=None) -> str:  # fmt: skip
+    """Put one routed-expert checkpoint tensor `t` into row `e` (the local expert) of the
+    model's stacked expert parameters; returns the parameter's name. Packed models take MXFP4
+    halves as they are; a bf16 model takes bf16 as it is and dequantizes an MXFP4 pair once
+    both halves are in `halves` (shared across calls). copy_(dst, src, raw) does the copy."""
+    copy_ = copy_ or (lambda dst, src, _: dst.copy_(src))
+    if entry.role in ("packed", "scale") and t.dtype != torch.uint8:
+        raise ValueError(f"tensor {raw}: MXFP4 data must be uint8, found {t.dtype}")
+    packed = f"{entry.param}_{entry.role}"
+    if f"{entry.param}_packed" in params:
+        if packed not in params:
+            raise ValueError(
+                f"tensor {raw}: the checkpoint stores bf16 experts; load it with "
+                f"expert_dtype 'bf16' (packed experts come from MXFP4 checkpoints)"
+            )
+        copy_(expert_rows(params[packed], entry, e), t, raw)
+        return packed
+    dst = expert_rows(params[entry.param], entry, e)
+    if entry.role == "weight":
+        copy_(dst, t, raw)
+        return entry.param
+    key = (entry.param, e, entry.part)
+    pair = halves.setdefault(key, {})
+    pair[entry.role] = t.to(dst.device)
+    if len(pair) == 2:
+        copy_(dst, dequantize_mxfp4(pair["packed"], pair["scale"], dtype=dst.dtype), raw)
+        del halves[key]
+    return entry.param
+
+
+def check_halves_paired(halves: dict) -> None:
+    if halves:  # only possible when an expert is stored both ways, one of them incomplete
+        (param, e, _), pair = next(iter(halves.items()))
+        raise ValueError(f"{param}[{e}]: MXFP4 {list(pair)} found without its other half")
+
+
 @torch.no_grad()
 def load_weights_(model: K3Model, plan: LoadPlan) -> K3Model:
     """Fill every parameter of `model` from the checkpoint, shard by shard, tensor by tensor.
 
     `plan` comes from `plan_load`, which checked names and shapes; values are cast to the
-    parameter's dtype. MXFP4 experts are dequantized on the parameter's device once both
-    halves (packed values and scales) have been read.
+    parameter's dtype. Routed experts go through `load_expert_` (packed as stored, or MXFP4
+    dequantized on the parameter's device once both halves have been read).
     """
     params = dict(model.named_parameters())
     halves: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
@@ -232,25 +275,14 @@ def load_weights_(model: K3Model, plan: LoadPlan) -> K3Model:
         with safe_open(plan.path / file, framework="pt", device="cpu") as f:
             for raw, entry in items:
                 t = f.get_tensor(raw)
-                param = params[entry.param]
-                if entry.role == "A_log":
+                if entry.expert is not None:
+                    load_expert_(params, entry, entry.expert, t, halves, raw)
+                elif entry.role == "A_log":
+                    param = params[entry.param]
                     param.copy_(t.reshape(-1)[: param.shape[0]])
-                elif entry.role == "weight":
-                    dst = param if entry.expert is None else expert_rows(param, entry, entry.expert)
-                    dst.copy_(t)
                 else:
-                    if t.dtype != torch.uint8:
-                        raise ValueError(f"tensor {raw}: MXFP4 data must be uint8, found {t.dtype}")
-                    key = (entry.param, entry.expert, entry.part)
-                    pair = halves.setdefault(key, {})
-                    pair[entry.role] = t.to(param.device)
-                    if len(pair) == 2:
-                        w = dequantize_mxfp4(pair["packed"], pair["scale"], dtype=param.dtype)
-                        expert_rows(param, entry, entry.expert).copy_(w)
-                        del halves[key]
-    if halves:  # only possible when an expert is stored both ways, one of them incomplete
-        (param, e, _), pair = next(iter(halves.items()))
-        raise ValueError(f"{param}[{e}]: MXFP4 {list(pair)} found without its other half")
+                    params[entry.param].copy_(t)
+    check_halves_paired(halves)
     return model
 
 

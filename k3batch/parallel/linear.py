@@ -53,12 +53,13 @@ class ExpertParallelExperts(Experts):
     """This rank's slice of the stacked experts: w13 [E/N, 2 I, Din], w2 [E/N, Din, I], holding
     global experts [first_expert, first_expert + E/N). Takes global expert ids."""
 
-    def __init__(self, config, in_size: int, group: ParallelGroup, dtype=None, device=None):
+    def __init__(self, config, in_size: int, group: ParallelGroup, dtype=None, device=None,
+                 expert_dtype: str = "bf16"):  # fmt: skip
         E, N = config.num_experts, group.size
         if E % N:
             raise ValueError(f"tp_size = {N} does not divide num_experts = {E}")
         local = dataclasses.replace(config, num_experts=E // N)
-        super().__init__(local, in_size, dtype=dtype, device=device)
+        super().__init__(local, in_size, dtype=dtype, device=device, expert_dtype=expert_dtype)
         self.num_local_experts, self.first_expert = E // N, group.rank * (E // N)
         self.group = group
 
@@ -78,12 +79,13 @@ class ParallelSparseMoE(SparseMoE):
     norm are replicated and run after the reduction. Built on the meta device by tp.py (the
     parent constructor allocates full-size experts, replaced here)."""
 
-    def __init__(self, config, layer_idx: int, group: ParallelGroup, dtype=None, device=None):
+    def __init__(self, config, layer_idx: int, group: ParallelGroup, dtype=None, device=None,
+                 expert_dtype: str = "bf16"):  # fmt: skip
         super().__init__(config, layer_idx, dtype, device)
         self.group = group
         D = config.hidden_size
         self.experts = ExpertParallelExperts(
-            config, config.routed_expert_hidden_size or D, group, dtype, device
+            config, config.routed_expert_hidden_size or D, group, dtype, device, expert_dtype
         )
         if config.num_shared_experts:
             inter = config.moe_intermediate_size * config.num_shared_experts

@@ -19,8 +19,7 @@ from k3batch.cache.layout import CacheLayout
 from k3batch.model.config import K3Config
 from k3batch.model.k3 import K3Model
 from k3batch.model.layers import GatedMLP
-from k3batch.model.mxfp4 import dequantize_mxfp4
-from k3batch.model.weights import expert_rows, plan_load
+from k3batch.model.weights import check_halves_paired, load_expert_, plan_load
 from k3batch.parallel.context import ContextParallelMLA
 from k3batch.parallel.group import ParallelGroup, ParallelLayout
 from k3batch.parallel.linear import ParallelSparseMoE, RowParallelLinear, VocabParallelLMHead
@@ -80,9 +79,11 @@ class RankModel(K3Model):
 
 
 def build_rank_model(config: K3Config, layout: ParallelLayout, tp: ParallelGroup,
-                     dcp: ParallelGroup, *, dtype, device) -> RankModel:  # fmt: skip
+                     dcp: ParallelGroup, *, dtype, device,
+                     expert_dtype: str = "bf16") -> RankModel:  # fmt: skip
     """The whole model as held by TP rank `tp.rank`; its parameters are uninitialized (fill
-    them with `load_rank_weights_` or `load_state_dict(shard_full_state_dict(...))`).
+    them with `load_rank_weights_` or `load_state_dict(shard_full_state_dict(...))`). Its
+    routed experts are this rank's, in `expert_dtype` ("mxfp4": packed, see `moe.Experts`).
 
     `forward_batch` takes GLOBAL cached_lens (DCP maps positions to local indices) and returns
     full-vocabulary logits on every rank; with dcp_size > 1 only decode batches are accepted.
@@ -110,7 +111,8 @@ def build_rank_model(config: K3Config, layout: ParallelLayout, tp: ParallelGroup
             if hasattr(layer, "mlp"):
                 layer.mlp = _parallel_mlp(local, local.intermediate_size, tp, dtype)
             else:
-                layer.block_sparse_moe = ParallelSparseMoE(local, i, tp, dtype)
+                layer.block_sparse_moe = ParallelSparseMoE(local, i, tp, dtype,
+                                                           expert_dtype=expert_dtype)  # fmt: skip
         model.lm_head = VocabParallelLMHead(D, config.vocab_size // tp.size, tp, dtype)
     return model.to_empty(device=device)
 
@@ -161,22 +163,15 @@ def load_rank_weights_(rank_model: K3Model, checkpoint_dir, layout: ParallelLayo
     for file, items in plan.shards.items():
         with safe_open(plan.path / file, framework="pt", device="cpu") as f:
             for raw, entry in items:
-                param = params[entry.param]
                 if entry.expert is not None:
                     e = entry.expert - first_expert
                     if not 0 <= e < num_local_experts:
                         continue  # another rank's expert: not read
-                    dst = expert_rows(param, entry, e)
-                    if entry.role == "weight":
-                        _copy_(dst, f.get_tensor(raw), raw)
-                    else:
-                        pair = halves.setdefault((entry.param, e, entry.part), {})
-                        pair[entry.role] = f.get_tensor(raw).to(param.device)
-                        if len(pair) == 2:
-                            w = dequantize_mxfp4(pair["packed"], pair["scale"], dtype=param.dtype)
-                            _copy_(dst, w, raw)
-                            del halves[(entry.param, e, entry.part)]
-                elif entry.role == "A_log":  # tiny; stored padded or [1, 1, H, 1] (spec 14.2)
+                    t = f.get_tensor(raw)
+                    filled.add(load_expert_(params, entry, e, t, halves, raw, _copy_))
+                    continue
+                param = params[entry.param]
+                if entry.role == "A_log":  # tiny; stored padded or [1, 1, H, 1] (spec 14.2)
                     a = f.get_tensor(raw).reshape(-1)[: config.kda_num_heads]
                     n = param.shape[0]
                     _copy_(param, a[tp_rank * n : (tp_rank + 1) * n], raw)
@@ -184,9 +179,7 @@ def load_rank_weights_(rank_model: K3Model, checkpoint_dir, layout: ParallelLayo
                     t = _read_slice(f.get_slice(raw), split_dim(entry.param), param, tp_rank)
                     _copy_(param, t, raw)
                 filled.add(entry.param)
-    if halves:
-        (name, e, _), pair = next(iter(halves.items()))
-        raise ValueError(f"{name}[{e}]: MXFP4 {list(pair)} found without its other half")
+    check_halves_paired(halves)
     missing = set(params) - filled
     if missing:
         raise ValueError(f"rank {tp_rank}: parameters not loaded: {sorted(missing)[:10]}")

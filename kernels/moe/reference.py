@@ -51,3 +51,19 @@ def experts_reference(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, be
         y = h @ w2_EDI[e].float().t()
         out.index_add_(0, tok, y * weights_Tk[tok, slot].float()[:, None])
     return out
+
+
+def grouped_mm_mxfp4_reference(x_MK, w, offs_E):
+    """The W4A16 grouped GEMM's oracle: MXFP4 weights `w` (`mxfp4.MXFP4Weight`) dequantized
+    to fp32, then rows [offs[e-1], offs[e]) of x times expert e's weight, fp32 [offs[-1], N]."""
+    from k3kernels.moe.mxfp4 import dequantize_mxfp4
+
+    x = x_MK.float()
+    out = torch.zeros(int(offs_E[-1]), w.packed.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, end in enumerate(offs_E.tolist()):
+        if end > start:
+            we = dequantize_mxfp4(w.packed[e], w.scale[e], dtype=torch.float32)
+            out[start:end] = x[start:end] @ we.t()
+        start = end
+    return out

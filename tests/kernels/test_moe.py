@@ -120,6 +120,46 @@ def _check_grouped_mm_triton(device, **blocks):
     return ref
 
 
+def _check_grouped_mm_mxfp4(device, M=150, K=64, N=40, tol_bf16=5e-3, **blocks):
+    """The W4A16 grouped GEMM against dequantize-then-matmul: fp32 and bf16 activations, empty
+    groups, groups longer than one row tile, unused rows at the end; K = 48 has a partial last
+    scale group. Dequantized MXFP4 values are exact, so only the output rounding differs."""
+    from k3kernels.moe.mxfp4 import MXFP4Weight, quantize_mxfp4
+    from k3kernels.moe.reference import grouped_mm_mxfp4_reference
+    from k3kernels.moe.w4a16 import grouped_mm_mxfp4
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(M, K, generator=g)
+    E = 5
+    # Scales vary per row and group (factors 2^-3 .. 2^3), as real experts' do.
+    w = torch.randn(E, N, K, generator=g) * 2.0 ** torch.randint(-3, 4, (E, N, 1), generator=g)
+    packed, scale = quantize_mxfp4(w / K**0.5)
+    wq = MXFP4Weight(packed.to(device), scale.to(device))
+    cut = M * 14 // 15
+    offs = torch.tensor([3, 3, cut // 2, cut, cut], dtype=torch.int32, device=device)
+    # fp32 on a GPU: tl.dot runs as TF32 (~3e-4 rms).
+    fp32_tol = 1e-5 if device == "cpu" else 2e-3
+    for dtype, tol in ((torch.float32, fp32_tol), (torch.bfloat16, tol_bf16)):
+        xd = x.to(device=device, dtype=dtype)
+        out = grouped_mm_mxfp4(xd, wq, offs, **blocks)[:cut]
+        ref = grouped_mm_mxfp4_reference(xd, wq, offs)
+        assert_close(f"grouped_mm_mxfp4_{dtype}", ref, out, rel_rms=tol)
+
+
+def test_grouped_mm_mxfp4_reference_is_dequantize_then_matmul():
+    """The oracle itself, against bf16 weights rounded through MXFP4 by hand."""
+    from k3kernels.moe.mxfp4 import MXFP4Weight, dequantize_mxfp4, quantize_mxfp4
+    from k3kernels.moe.reference import grouped_mm_mxfp4_reference
+
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(10, 64, generator=g), torch.randn(2, 8, 64, generator=g)
+    wq = MXFP4Weight(*quantize_mxfp4(w))
+    offs = torch.tensor([4, 10], dtype=torch.int32)
+    wd = dequantize_mxfp4(wq.packed, wq.scale)
+    ref = torch.cat([x[:4] @ wd[0].t(), x[4:] @ wd[1].t()])
+    assert torch.equal(grouped_mm_mxfp4_reference(x, wq, offs), ref)
+
+
 # ---- CPU, default suite --------------------------------------------------------------------
 
 
@@ -187,6 +227,9 @@ def _interpreted_checks():
         _check_experts(TINY[name], torch.float32, "cpu", use_triton=True)
     _check_grouped_mm_triton("cpu", block_n=16, block_k=16)
     _check_grouped_mm_triton("cpu", block_m=16, block_n=16, block_k=16)  # the decode tiles
+    for K in (64, 48):
+        for bm in (16, 64):
+            _check_grouped_mm_mxfp4("cpu", K=K, block_m=bm, block_n=16, block_k=32)
     _check_experts(TINY["T33-D32-I24-E8-k2-ep4of8"], torch.float32, "cpu", use_triton=True,
                    gemm_impl="triton")  # fmt: skip
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 import k3batch
 from k3batch.model import K3Model, get_flavor
 from k3batch.model import weights as weights_mod
-from k3batch.model.mxfp4 import (
+from k3kernels.moe.mxfp4 import (
     dequantize_mxfp4,
     fp4_to_float,
     pack_fp4,
@@ -48,8 +48,11 @@ def written(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(written):
-    """{flavor: the checkpoint loaded in fp32}."""
-    return {f: k3batch.load_model(path, dtype=torch.float32) for f, (_, path) in written.items()}
+    """{flavor: the checkpoint loaded in fp32, routed experts dequantized (bf16 layout)}."""
+    return {
+        f: k3batch.load_model(path, dtype=torch.float32, expert_dtype="bf16")
+        for f, (_, path) in written.items()
+    }
 
 
 def _as_checkpointed(model: K3Model) -> dict[str, torch.Tensor]:
@@ -104,6 +107,46 @@ def test_weights_roundtrip_logits_equal(written, loaded, flavor):
     ids = torch.randint(0, ref.config.vocab_size, (2, 7), generator=gen)
     with torch.no_grad():
         assert torch.equal(loaded[flavor](ids), ref(ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_packed_experts_match_dequantized(written, loaded, dtype):
+    """A K3 checkpoint's MXFP4 experts loaded packed (the default) and dequantized at load:
+    the packed halves equal the files', ~0.27x the bytes of bf16 experts, and the logits
+    and greedy tokens are identical (dequantized MXFP4 values are exact in fp32 and bf16)."""
+    from k3batch.engine.config import EngineConfig
+    from k3batch.engine.engine import Engine
+    from k3batch.engine.request import SamplingParams
+
+    _, path = written["k3-debug"]
+    packed = k3batch.load_model(path, dtype=dtype)
+    plain = k3batch.load_model(path, dtype=dtype, expert_dtype="bf16")
+    ex_p = packed.model.layers["1"].block_sparse_moe.experts
+    ex_b = plain.model.layers["1"].block_sparse_moe.experts
+    assert ex_p.packed and not ex_b.packed
+    assert torch.equal(ex_p.weights()[0].dequantize(dtype), ex_b.w13)
+    expert_bytes = {
+        name: sum(p.nbytes for n, p in m.named_parameters() if ".experts." in n and "shared" not in n)
+        for name, m in (("packed", packed), ("plain", plain))
+    }
+    bf16_bytes = expert_bytes["plain"] * 2 // dtype.itemsize
+    assert expert_bytes["packed"] <= 0.3 * bf16_bytes, expert_bytes
+    ids = torch.randint(0, packed.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(packed(ids), plain(ids))
+    prompts = ids.tolist()
+    sp = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    cfg = EngineConfig(max_num_seqs=2, max_seq_len=32, chunk_size=8)
+    tokens = [[r.output_token_ids for r in Engine(m, cfg).generate(prompts, sp)]
+              for m in (packed, plain)]  # fmt: skip
+    assert tokens[0] == tokens[1]
+
+
+def test_weights_expert_dtype_errors(written):
+    with pytest.raises(ValueError, match="needs MXFP4 experts"):
+        k3batch.load_model(written["kimi-linear-debug"][1], expert_dtype="mxfp4")
+    with pytest.raises(ValueError, match="expert_dtype = 'fp8'"):
+        k3batch.load_model(written["k3-debug"][1], expert_dtype="fp8")
 
 
 def test_weights_load_bf16_default(written):
@@ -211,7 +254,7 @@ def test_weights_single_file_and_alt_attn_res_spelling(written, loaded, tmp_path
     with safe_open(path / "model.safetensors", framework="pt") as sf:
         assert "language_model.model.output_attn_res.proj_weight" in sf.keys()
         assert "language_model.model.layers.5.mlp_res.norm_weight" in sf.keys()
-    got = dict(k3batch.load_model(path, dtype=torch.float32).named_parameters())
+    got = dict(k3batch.load_model(path, dtype=torch.float32, expert_dtype="bf16").named_parameters())
     for name, p in loaded["k3-debug"].named_parameters():
         assert torch.equal(got[name], p), name
 
@@ -391,7 +434,9 @@ def test_weights_layer_range_reads_only_its_tensors(written, loaded, monkeypatch
             return self.f.get_tensor(name)
 
     monkeypatch.setattr(weights_mod, "safe_open", Recording)
-    stage = k3batch.load_model(path, dtype=torch.float32, layer_range=(3, 10))
+    stage = k3batch.load_model(
+            path, dtype=torch.float32, layer_range=(3, 10), expert_dtype="bf16"
+        )
     assert not hasattr(stage.model, "embed_tokens") and not hasattr(stage, "lm_head")
     assert sorted(stage.model.layers.keys(), key=int) == [str(i) for i in range(3, 10)]
     full = dict(loaded["k3-debug"].named_parameters())

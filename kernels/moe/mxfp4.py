@@ -1,4 +1,6 @@
-"""MXFP4 pack / unpack for the routed-expert weights of the K3 checkpoint (spec 11, 14.11).
+"""MXFP4 pack / unpack for the routed-expert weights of the K3 checkpoint (spec 11, 14.11), in
+plain torch: the checkpoint writer and loader use it, and it is the reference of the W4A16
+grouped GEMM (`k3kernels.moe.w4a16`).
 
 Format assumed (our reading of compressed-tensors' `mxfp4-pack-quantized`: its
 `pack_fp4_to_uint8` / `unpack_fp4_from_uint8`; not yet checked against the real K3 files):
@@ -11,6 +13,8 @@ Format assumed (our reading of compressed-tensors' `mxfp4-pack-quantized`: its
 So w[r, c] = fp4(nibble of packed[r, c // 2]) * 2^(scale[r, c // 32] - 127).
 """
 
+from typing import NamedTuple
+
 import torch
 
 GROUP_SIZE = 32
@@ -18,6 +22,22 @@ E8M0_BIAS = 127
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes, indexed by bits 0..2
 # Midpoints between neighbouring magnitudes; a tie rounds to the smaller magnitude.
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+class MXFP4Weight(NamedTuple):
+    """Stacked MXFP4 weights as the checkpoint stores them, one row per output: packed uint8
+    [E, N, K/2] and scale uint8 [E, N, ceil(K/32)]; `shape` is the dequantized [E, N, K]."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        E, N, half = self.packed.shape
+        return E, N, 2 * half
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        return dequantize_mxfp4(self.packed, self.scale, dtype=dtype)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:

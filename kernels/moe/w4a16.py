@@ -1,0 +1,105 @@
+"""Grouped GEMM over experts with MXFP4 weights unpacked in registers (W4A16): activations bf16
+(or fp32), weights 4-bit E2M1 values with one E8M0 scale per 32 inputs (`mxfp4.py` has the
+format), fp32 accumulation. Hopper has no FP4 tensor cores, so each program loads a tile of
+packed bytes and their scales, turns them into the activations' dtype (exact: an E2M1 value
+times a power of two is a bf16 number) and multiplies on the bf16 tensor cores. Same contract,
+tile table and launch settings as the bf16 Triton grouped GEMM (`grouped_gemm_triton`): rows
+[offs[e-1], offs[e]) of x times expert e's weight, rows after offs[-1] left unwritten.
+
+Byte j of a packed row holds input 2j (low nibble) and 2j+1 (high nibble), so a tile of
+BLOCK_K inputs is BLOCK_K / 2 bytes: the program multiplies the even inputs of x by the low
+nibbles and the odd inputs by the high ones, two dots of BLOCK_K / 2, instead of interleaving.
+E2M1 code c: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0; built as fp32 bits.
+Reference: `reference.grouped_mm_mxfp4_reference` (dequantize, then the loop). Runs under
+TRITON_INTERPRET=1 on CPU.
+Shape legend: M sorted rows, K input width, N output width, E experts.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from k3kernels.moe.grouped_gemm_triton import _INTERPRETED, _tile_table, launch_config
+from k3kernels.moe.mxfp4 import GROUP_SIZE, MXFP4Weight
+
+
+@triton.jit
+def _e2m1_times_scale(code, scale_bits):
+    """fp32 value of 4-bit E2M1 codes (int32) times 2^(s - 127) given as fp32 bits (int32)."""
+    e = (code >> 1) & 3
+    m = code & 1
+    normal = ((e + 126) << 23) | (m << 22)  # (1 + m/2) * 2^(e - 1)
+    sub = m * (126 << 23)  # e = 0: m * 0.5
+    bits = tl.where(e > 0, normal, sub) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * scale_bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def w4a16_grouped_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
+                         N, K, stride_x, stride_qe, stride_qn, stride_se, stride_sn, stride_out, E,
+                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < E:
+        first = tl.load(tile_row_ptr + tile)
+        end = tl.load(offs_ptr + expert)
+        rows = first + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < end
+        col_ok = cols < N
+        jj = tl.arange(0, BLOCK_K // 2)  # byte within the tile: inputs 2 jj and 2 jj + 1
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+        q_base = q_ptr + expert.to(tl.int64) * stride_qe + cols.to(tl.int64)[None, :] * stride_qn
+        s_base = s_ptr + expert.to(tl.int64) * stride_se + cols.to(tl.int64)[None, :] * stride_sn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_even = k0 + 2 * jj
+            k_ok = k_even < K  # K is even: the odd input of a valid byte is valid too
+            wmask = k_ok[:, None] & col_ok[None, :]
+            q = tl.load(q_base + (k_even // 2)[:, None], mask=wmask, other=0).to(tl.int32)
+            s = tl.load(s_base + (k_even // GROUP)[:, None], mask=wmask, other=127)
+            s = s.to(tl.int32)
+            scale_bits = tl.where(s > 0, s << 23, 1 << 22)  # 2^(s - 127); s = 0: subnormal
+            w_even = _e2m1_times_scale(q & 15, scale_bits)  # [BLOCK_K / 2, BLOCK_N]
+            w_odd = _e2m1_times_scale(q >> 4, scale_bits)
+            xmask = row_ok[:, None] & k_ok[None, :]
+            x_even = tl.load(x_rows + k_even[None, :], mask=xmask, other=0.0)
+            x_odd = tl.load(x_rows + k_even[None, :] + 1, mask=xmask, other=0.0)
+            if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
+                acc += tl.dot(x_even.to(tl.float32), w_even)
+                acc += tl.dot(x_odd.to(tl.float32), w_odd)
+            else:
+                acc += tl.dot(x_even, w_even.to(x_even.dtype))
+                acc += tl.dot(x_odd, w_odd.to(x_odd.dtype))
+        o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
+                     **config) -> torch.Tensor:  # fmt: skip
+    """out[r] = x[r] @ dequantize(w[e]).T for the rows r of group e; x [M, K] (unit last
+    stride), w: packed [E, N, K/2] and scale [E, N, ceil(K/32)] uint8 with unit last strides,
+    offs [E] int32 cumulative group ends. Rows after offs[-1] are left unwritten.
+    config: block_m, block_n, block_k, num_warps, num_stages (default `launch_config`)."""
+    E, N, K = w.shape
+    if x_MK.shape[1] != K or x_MK.stride(-1) != 1:
+        raise ValueError(f"x {list(x_MK.shape)} does not match MXFP4 weights of {K} inputs "
+                         f"(or its last stride is not 1)")  # fmt: skip
+    if w.packed.stride(-1) != 1 or w.scale.stride(-1) != 1:
+        raise ValueError("MXFP4 packed values and scales need unit last strides")
+    M = x_MK.shape[0]
+    cfg = launch_config(M, E) | config
+    out = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
+    if M == 0:
+        return out
+    tile_expert, tile_row = _tile_table(offs_E, M, cfg["block_m"])
+    grid = (tile_expert.shape[0], triton.cdiv(N, cfg["block_n"]))
+    w4a16_grouped_kernel[grid](
+        x_MK, w.packed, w.scale, out, offs_E, tile_expert, tile_row, N, K, x_MK.stride(0),
+        w.packed.stride(0), w.packed.stride(1), w.scale.stride(0), w.scale.stride(1),
+        out.stride(0), E, GROUP=GROUP_SIZE, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"], UPCAST=_INTERPRETED and x_MK.dtype != torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out
