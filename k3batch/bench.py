@@ -134,7 +134,7 @@ def active_params(config) -> int:
 
 def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, new_tokens: int,
                       chunk_size: int, seed: int = 0, profile: bool = False,
-                      cuda_graphs: bool = True) -> dict:  # fmt: skip
+                      cuda_graphs: bool = True, expert_dtype: str = "bf16") -> dict:  # fmt: skip
     """Single-device engine speed on random weights made on the device (no checkpoint):
     prefill tokens/s over `batch` prompts, then decode tokens/s with all of them running, and
     the decode step beside its roofline (bytes it must read over the H200's copy bandwidth).
@@ -150,7 +150,7 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.perf_counter()
-    model = K3Model(get_flavor(flavor), dtype=dtype, device=device)
+    model = K3Model(get_flavor(flavor), dtype=dtype, device=device, expert_dtype=expert_dtype)
     init_random_(model, seed).eval().set_backend("fla" if cuda else "torch")
     build_s = time.perf_counter() - t0
     cfg = EngineConfig(max_num_seqs=batch, max_seq_len=prompt_len + new_tokens + 1,
@@ -211,7 +211,10 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
         "decode_roofline_x": round(1000 * t_decode / max(steps, 1) / floor.floor_ms(), 2),
         "decode_bytes": {k: getattr(floor, k) for k in ("dense", "experts", "kda", "mla")},
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
+        "expert_dtype": expert_dtype,
         "weights_gib": round(sum(p.nbytes for p in model.parameters()) / 2**30, 1),
+        "routed_expert_gib": round(sum(p.nbytes for n, p in model.named_parameters()
+                                       if ".block_sparse_moe.experts." in n) / 2**30, 2),
         "arena_gib": round(engine.runner.cache.total_bytes / 2**30, 1),
     }  # fmt: skip
     if profile:

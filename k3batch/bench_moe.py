@@ -12,6 +12,9 @@ grouped GEMM, 16-row tiles at decode shapes and 64 at prefill, `k3kernels.moe.gr
 pass with torch activation and combine, to show what fusing buys) and "loop-before" (the
 per-expert loop this replaced: counts read on the host, two GEMMs for gate and up, torch
 activation, index_add_). A row that fails reports its error instead of a time.
+With `--expert-dtype mxfp4` the experts are quantized and kept packed: "experts-mxfp4" and
+"gemm-mxfp4" run the W4A16 kernel (`k3kernels.moe.w4a16`), their TB/s counted on the packed
+bytes (0.53 B per weight), beside the bf16 rows on the same weights' dequantized values.
 First H200 run (torch 2.11): experts 22.0 ms = 345 TFLOP/s (44% of peak), gemm 20.1 ms = 378
 TFLOP/s (49%), torch-elementwise 35.0 ms (28%): the grouped GEMMs' tile waste (see
 grouped_gemm.py) bounds this design, not the sort, activation or combine (2 ms together).
@@ -64,10 +67,21 @@ def _time_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _packed(w_EOI):
+    """MXFP4Weight of bf16 stacked experts, quantized one expert at a time on their device."""
+    from k3kernels.moe.mxfp4 import MXFP4Weight, quantize_mxfp4
+
+    halves = [quantize_mxfp4(w) for w in w_EOI]
+    return MXFP4Weight(torch.stack([p for p, _ in halves]), torch.stack([s for _, s in halves]))
+
+
 def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_layers=None,
-                   repeats: int = 10, seed: int = 0) -> list[dict]:  # fmt: skip
-    """Rows {"impl", "ms", "tflops", "pct_peak"} for the routed experts of `num_layers` MoE
-    layers (default: all of the flavor's) at `num_tokens` tokens, on CUDA in bf16."""
+                   repeats: int = 10, seed: int = 0, expert_dtype: str = "bf16") -> list[dict]:  # fmt: skip
+    """Rows {"impl", "ms", "tflops", "pct_peak", "weight_tbps"} for the routed experts of
+    `num_layers` MoE layers (default: all of the flavor's) at `num_tokens` tokens, on CUDA,
+    activations bf16. expert_dtype "mxfp4": the experts quantized and kept packed, rows
+    "experts-mxfp4" / "gemm-mxfp4" (the W4A16 kernel, TB/s on the packed bytes) beside the
+    bf16 "experts" / "gemm" rows of the same weights' dequantized values."""
     if not torch.cuda.is_available():
         raise ValueError("bench moe needs a CUDA device")
     config = get_flavor(flavor)
@@ -82,6 +96,13 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
     flops = num_layers * 2 * num_tokens * k * 3 * D * I
     touched = sum(int(ids.unique().numel()) for _, _, _, ids, _ in layers)
     weight_bytes = touched * 3 * D * I * 2  # bf16 w13 [2I, D] + w2 [D, I] per expert
+    packed_bytes = touched * 3 * D * I * 17 // 32  # MXFP4: 4 bits + one byte per 32 values
+    if expert_dtype == "mxfp4":
+        packed = [(_packed(w13), _packed(w2)) for _, w13, w2, _, _ in layers]
+        layers = [(x, w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16), ids, w)
+                  for (x, _, _, ids, w), (w13, w2) in zip(layers, packed)]  # fmt: skip
+    elif expert_dtype != "bf16":
+        raise ValueError(f"expert_dtype = {expert_dtype!r}; expected bf16 or mxfp4")
     sorted_rows = []
     for x, w13, w2, ids, _ in layers:
         order = sort_slots(ids, config.num_experts)
@@ -111,12 +132,27 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
         for x, w13, w2, ids, w in layers:
             _loop_experts(x, w13, w2, ids, w, **kw)
 
+    def experts_mxfp4():
+        for (x, _, _, ids, w), (w13, w2) in zip(layers, packed):
+            fused_experts(x, w13, w2, ids, w, use_triton=True, **kw)
+
+    def gemm_mxfp4():
+        from k3kernels.moe.w4a16 import grouped_mm_mxfp4
+
+        h = torch.empty(h_shape, dtype=torch.bfloat16, device=device)
+        for (w13, w2), (xs, offs) in zip(packed, sorted_rows):
+            grouped_mm_mxfp4(xs, w13, offs)
+            grouped_mm_mxfp4(h, w2, offs)
+
     rows = []
     impls = [("experts", experts(True)), ("gemm", gemm_only()),
              ("experts-split2", experts(True, 2)), ("gemm-split2", gemm_only(2)),
              ("experts-triton", experts(True, impl="triton")),
              ("gemm-triton", gemm_only(impl="triton")),
              ("torch-elementwise", experts(False)), ("loop-before", loop_before)]  # fmt: skip
+    if expert_dtype == "mxfp4":
+        impls = [("experts-mxfp4", experts_mxfp4), ("gemm-mxfp4", gemm_mxfp4), *impls[:2],
+                 *impls[4:6]]  # fmt: skip
     for impl, fn in impls:
         try:
             ms = _time_ms(fn, repeats)
@@ -126,7 +162,8 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
         tflops = flops / ms / 1e9
         rows.append({"impl": impl, "flavor": flavor, "layers": num_layers, "tokens": num_tokens,
                      "ms": round(ms, 3), "tflops": round(tflops, 1),
-                     "weight_tbps": round(weight_bytes / ms / 1e9, 2),
+                     "weight_tbps": round((packed_bytes if "mxfp4" in impl else weight_bytes)
+                                          / ms / 1e9, 2),
                      "pct_peak": round(100 * tflops / PEAK_BF16_TFLOPS, 1)})  # fmt: skip
     return rows
 

@@ -186,9 +186,11 @@ def bench_pipeline(model_dir, stages, chunks, chunk_tokens, device, address, jso
 @click.option("--chunk-size", default=2048, show_default=True, type=int)
 @click.option("--profile", is_flag=True, help="Also print the top ops of prefill and decode.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True)
+@click.option("--expert-dtype", type=click.Choice(["bf16", "mxfp4"]), default="bf16",
+              show_default=True, help="Routed experts in memory (mxfp4: packed, W4A16).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, profile, cuda_graphs,
-                 json_path):  # fmt: skip
+                 expert_dtype, json_path):  # fmt: skip
     """Single-device engine throughput, prefill MFU and peak memory on random weights."""
     import json
 
@@ -204,6 +206,7 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, prof
         chunk_size=chunk_size,
         profile=profile,
         cuda_graphs=cuda_graphs,
+        expert_dtype=expert_dtype,
     )
     if profile:
         from k3batch.bench import PROFILED_DECODE_STEPS
@@ -225,15 +228,18 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, prof
 @click.option("--tokens", default=8192, show_default=True, type=int)
 @click.option("--layers", default=None, type=int, help="MoE layers (default: all of the flavor).")
 @click.option("--repeats", default=10, show_default=True, type=int)
+@click.option("--expert-dtype", type=click.Choice(["bf16", "mxfp4"]), default="bf16",
+              show_default=True, help="mxfp4: also the packed experts through the W4A16 kernel.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
-def bench_moe(flavor, tokens, layers, repeats, json_path):
-    """Routed experts alone (bf16, CUDA): TFLOP/s and % of the bf16 GEMM peak."""
+def bench_moe(flavor, tokens, layers, repeats, expert_dtype, json_path):
+    """Routed experts alone (CUDA): TFLOP/s, % of the bf16 GEMM peak, TB/s on expert bytes."""
     import json
 
     from k3batch.bench_moe import format_moe_table, moe_throughput
 
     try:
-        rows = moe_throughput(flavor, num_tokens=tokens, num_layers=layers, repeats=repeats)
+        rows = moe_throughput(flavor, num_tokens=tokens, num_layers=layers, repeats=repeats,
+                              expert_dtype=expert_dtype)  # fmt: skip
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     click.echo(format_moe_table(rows))

@@ -58,11 +58,20 @@ def _inputs(shape, dtype, device, seed=0):
     return x.to(dtype), w13.to(dtype), w2.to(dtype), ids, w
 
 
-def _check_experts(shape, dtype, device, use_triton, gemm_parts=1, gemm_impl="torch"):
+def _check_experts(shape, dtype, device, use_triton, gemm_parts=1, gemm_impl="torch",
+                   mxfp4=False):  # fmt: skip
+    """The whole pass against the fp32 reference; mxfp4: the weights quantized, the pass fed
+    them packed (W4A16 with use_triton), the reference their dequantized values."""
     x, w13, w2, ids, w = _inputs(shape, dtype, device)
     first = shape[5]
     kw = dict(act="situ", beta=4.0, linear_beta=25.0, first_expert=first)
-    ref = R.experts_reference(x, w13, w2, ids, w, **kw)
+    if mxfp4:
+        from k3kernels.moe.mxfp4 import MXFP4Weight, quantize_mxfp4
+
+        w13, w2 = (MXFP4Weight(*quantize_mxfp4(t)) for t in (w13, w2))
+        ref = R.experts_reference(x, w13.dequantize(dtype), w2.dequantize(dtype), ids, w, **kw)
+    else:
+        ref = R.experts_reference(x, w13, w2, ids, w, **kw)
     out = fused_experts(x, w13, w2, ids, w, use_triton=use_triton, gemm_parts=gemm_parts,
                         gemm_impl=gemm_impl, **kw)  # fmt: skip
     assert out.dtype == torch.float32
@@ -230,6 +239,8 @@ def _interpreted_checks():
     for K in (64, 48):
         for bm in (16, 64):
             _check_grouped_mm_mxfp4("cpu", K=K, block_m=bm, block_n=16, block_k=32)
+    for name in ("T33-D32-I24-E8-k2", "T33-D32-I24-E8-k2-ep4of8"):
+        _check_experts(TINY[name], torch.float32, "cpu", use_triton=True, mxfp4=True)
     _check_experts(TINY["T33-D32-I24-E8-k2-ep4of8"], torch.float32, "cpu", use_triton=True,
                    gemm_impl="triton")  # fmt: skip
 
@@ -245,6 +256,19 @@ def test_fused_experts_matches_reference_gpu(shape, dtype):
     _check_experts(shape, dtype, "cuda", use_triton=True)
     if dtype == torch.bfloat16:
         _check_experts(shape, dtype, "cuda", use_triton=True, gemm_parts=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_mm_mxfp4_gpu():
+    """W4A16 against dequantize-then-matmul at K3 widths (rel RMS <= 2e-3 in bf16: only the
+    output rounding differs), prefill and decode tiles; then the whole packed pass."""
+    for K, N in ((3584, 6144), (3072, 3584)):
+        _check_grouped_mm_mxfp4("cuda", M=300, K=K, N=N, tol_bf16=2e-3)
+        _check_grouped_mm_mxfp4("cuda", M=40, K=K, N=N, tol_bf16=2e-3, block_m=16, block_n=64,
+                                block_k=128, num_stages=4)  # fmt: skip
+    for shape in ("T8192-prefill", "T64-decode", "T8192-ep2-rank1"):
+        _check_experts(K3_SLICE[shape], torch.bfloat16, "cuda", use_triton=True, mxfp4=True)
 
 
 @pytest.mark.gpu
