@@ -67,12 +67,16 @@ def _time_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _packed(w_EOI):
-    """MXFP4Weight of bf16 stacked experts, quantized one expert at a time on their device."""
+def _packed_(w_EOI):
+    """MXFP4Weight of bf16 stacked experts, quantized one expert at a time on their device;
+    `w_EOI` is overwritten with the dequantized values (the same weights for the bf16 rows)."""
     from k3kernels.moe.mxfp4 import MXFP4Weight, quantize_mxfp4
 
     halves = [quantize_mxfp4(w) for w in w_EOI]
-    return MXFP4Weight(torch.stack([p for p, _ in halves]), torch.stack([s for _, s in halves]))
+    packed = MXFP4Weight(torch.stack([p for p, _ in halves]), torch.stack([s for _, s in halves]))
+    for e, (p, s) in enumerate(halves):
+        w_EOI[e].copy_(MXFP4Weight(p, s).dequantize(w_EOI.dtype))
+    return packed
 
 
 def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_layers=None,
@@ -98,9 +102,7 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
     weight_bytes = touched * 3 * D * I * 2  # bf16 w13 [2I, D] + w2 [D, I] per expert
     packed_bytes = touched * 3 * D * I * 17 // 32  # MXFP4: 4 bits + one byte per 32 values
     if expert_dtype == "mxfp4":
-        packed = [(_packed(w13), _packed(w2)) for _, w13, w2, _, _ in layers]
-        layers = [(x, w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16), ids, w)
-                  for (x, _, _, ids, w), (w13, w2) in zip(layers, packed)]  # fmt: skip
+        packed = [(_packed_(w13), _packed_(w2)) for _, w13, w2, _, _ in layers]
     elif expert_dtype != "bf16":
         raise ValueError(f"expert_dtype = {expert_dtype!r}; expected bf16 or mxfp4")
     sorted_rows = []

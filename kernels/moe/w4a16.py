@@ -49,23 +49,25 @@ def w4a16_grouped_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, tile_expert_ptr
         row_ok = rows < end
         col_ok = cols < N
         jj = tl.arange(0, BLOCK_K // 2)  # byte within the tile: inputs 2 jj and 2 jj + 1
+        kk = tl.arange(0, BLOCK_K)
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
         q_base = q_ptr + expert.to(tl.int64) * stride_qe + cols.to(tl.int64)[None, :] * stride_qn
         s_base = s_ptr + expert.to(tl.int64) * stride_se + cols.to(tl.int64)[None, :] * stride_sn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_even = k0 + 2 * jj
-            k_ok = k_even < K  # K is even: the odd input of a valid byte is valid too
-            wmask = k_ok[:, None] & col_ok[None, :]
-            q = tl.load(q_base + (k_even // 2)[:, None], mask=wmask, other=0).to(tl.int32)
-            s = tl.load(s_base + (k_even // GROUP)[:, None], mask=wmask, other=127)
-            s = s.to(tl.int32)
+            # Indices written so that the compiler sees contiguous runs (vector loads): bytes
+            # k0/2 + jj, scale groups k0/GROUP + jj/(GROUP/2), inputs k0 + kk.
+            byte_ok = k0 // 2 + jj < K // 2
+            wmask = byte_ok[:, None] & col_ok[None, :]
+            q = tl.load(q_base + (k0 // 2 + jj)[:, None], mask=wmask, other=0).to(tl.int32)
+            s = tl.load(s_base + (k0 // GROUP + jj // (GROUP // 2))[:, None], mask=wmask,
+                        other=127).to(tl.int32)  # fmt: skip
             scale_bits = tl.where(s > 0, s << 23, 1 << 22)  # 2^(s - 127); s = 0: subnormal
             w_even = _e2m1_times_scale(q & 15, scale_bits)  # [BLOCK_K / 2, BLOCK_N]
             w_odd = _e2m1_times_scale(q >> 4, scale_bits)
-            xmask = row_ok[:, None] & k_ok[None, :]
-            x_even = tl.load(x_rows + k_even[None, :], mask=xmask, other=0.0)
-            x_odd = tl.load(x_rows + k_even[None, :] + 1, mask=xmask, other=0.0)
+            xmask = row_ok[:, None] & (k0 + kk < K)[None, :]
+            x = tl.load(x_rows + (k0 + kk)[None, :], mask=xmask, other=0.0)  # [BLOCK_M, BLOCK_K]
+            x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
             if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
                 acc += tl.dot(x_even.to(tl.float32), w_even)
                 acc += tl.dot(x_odd.to(tl.float32), w_odd)
@@ -90,6 +92,8 @@ def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
         raise ValueError("MXFP4 packed values and scales need unit last strides")
     M = x_MK.shape[0]
     cfg = launch_config(M, E) | config
+    if cfg["block_k"] % GROUP_SIZE:
+        raise ValueError(f"block_k = {cfg['block_k']} must be a multiple of {GROUP_SIZE}")
     out = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
     if M == 0:
         return out
