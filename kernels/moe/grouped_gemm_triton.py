@@ -40,6 +40,17 @@ def _tile_table(offs_E: torch.Tensor, num_rows: int, BLOCK_M: int):
 
 
 @triton.jit
+def tile_rows_cols(tile_row_ptr, offs_ptr, expert, N, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):  # fmt: skip
+    """(rows, cols, row_ok, col_ok) of this program's output tile (grid: tiles x N blocks)."""
+    first = tl.load(tile_row_ptr + tl.program_id(0))
+    end = tl.load(offs_ptr + expert)
+    rows = first + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, cols, rows < end, cols < N
+
+
+@triton.jit
 def grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
                         N, K, stride_x, stride_we, stride_wn, stride_out, E,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -47,12 +58,8 @@ def grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, offs_ptr, tile_expert_ptr, tile_r
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < E:
-        first = tl.load(tile_row_ptr + tile)
-        end = tl.load(offs_ptr + expert)
-        rows = first + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < end
-        col_ok = cols < N
+        rows, cols, row_ok, col_ok = tile_rows_cols(tile_row_ptr, offs_ptr, expert, N,
+                                                    BLOCK_M, BLOCK_N)  # fmt: skip
         kk = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + kk[None, :]
         w_base = w_ptr + expert.to(tl.int64) * stride_we

@@ -19,7 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from k3kernels.moe.grouped_gemm_triton import _INTERPRETED, _tile_table, launch_config
+from k3kernels.moe.grouped_gemm_triton import (
+    _INTERPRETED,
+    _tile_table,
+    launch_config,
+    tile_rows_cols,
+)
 from k3kernels.moe.mxfp4 import GROUP_SIZE, MXFP4Weight
 
 
@@ -42,12 +47,8 @@ def w4a16_grouped_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, tile_expert_ptr
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < E:
-        first = tl.load(tile_row_ptr + tile)
-        end = tl.load(offs_ptr + expert)
-        rows = first + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < end
-        col_ok = cols < N
+        rows, cols, row_ok, col_ok = tile_rows_cols(tile_row_ptr, offs_ptr, expert, N,
+                                                    BLOCK_M, BLOCK_N)  # fmt: skip
         jj = tl.arange(0, BLOCK_K // 2)  # byte within the tile: inputs 2 jj and 2 jj + 1
         kk = tl.arange(0, BLOCK_K)
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
