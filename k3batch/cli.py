@@ -348,29 +348,75 @@ def bench_mla_prefill(seq_lens, cached_lens, heads, sweep, json_path):
 @click.option("--model", "model_dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="Checkpoint directory: plan its config.json instead of --flavor.")  # fmt: skip
 @click.option("--gpu", default="h200", show_default=True, help="h200, h100, b200 or gb300.")
-@click.option("--pp", default=1, show_default=True, type=int, help="Prefill pipeline stages.")
-@click.option("--tp", default=8, show_default=True, type=int, help="Decode tensor parallelism.")
-@click.option("--dcp", default=1, show_default=True, type=int, help="Decode context parallelism.")
+@click.option("--pp", default=None, type=int, help="Prefill pipeline stages (default 1).")
+@click.option("--tp", default=None, type=int, help="Decode tensor parallelism (default 8).")
+@click.option("--dcp", default=None, type=int, help="Decode context parallelism (default 1).")
+@click.option("--requests", "min_requests", default=None, type=int,
+              help="Search only: requests of --context-len one decode group must hold "
+                   "(default 32).")  # fmt: skip
 @click.option("--memory-fraction", default=0.9, show_default=True, type=float)
 @click.option("--page-size", default=64, show_default=True, type=int, help="Tokens per MLA page.")
-@click.option("--context-len", default=1 << 20, show_default=True, type=int)
-@click.option("--cache-gib", default=None, type=float, help="Cache pool per GPU (default: left).")
+@click.option("--context-len", default=None, type=int,
+              help="Tokens per request (default: 1048576 for one layout, 131072 for the "
+                   "search).")  # fmt: skip
+@click.option("--cache-gib", default=None, type=float,
+              help="One layout only: cache pool per GPU (default: what is left).")  # fmt: skip
 @click.option("--reserve-gib", default=4.0, show_default=True, type=float, help="Activations.")
-def plan_cmd(flavor, model_dir, gpu, pp, tp, dcp, memory_fraction, page_size, context_len,
-             cache_gib, reserve_gib):  # fmt: skip
-    """Print weights and cache bytes per GPU and the context capacity of a layout."""
-    from k3batch.model.config import K3Config
-    from k3batch.plan import GiB, checkpoint_config, make_plan
+def plan_cmd(flavor, model_dir, gpu, pp, tp, dcp, min_requests, memory_fraction, page_size,
+             context_len, cache_gib, reserve_gib):  # fmt: skip
+    """Print weights and cache bytes per GPU and the context capacity of a layout.
 
+    With --pp, --tp or --dcp: that layout (the others at their defaults). With none of them:
+    search for the layout of the fewest GPUs per replica that holds the weights plus --requests
+    requests of --context-len tokens per decode group; print every layout tried with why it
+    does not fit (which side, GB over), then the chosen layout's plan."""
+    from k3batch.model.config import K3Config
+    from k3batch.plan import (
+        DEFAULT_MIN_REQUESTS,
+        DEFAULT_SEARCH_CONTEXT,
+        GiB,
+        checkpoint_config,
+        make_plan,
+        smallest_layout,
+    )
+
+    search = pp is None and tp is None and dcp is None
+    if search and cache_gib is not None:
+        raise click.UsageError(
+            "--cache-gib needs a layout (--pp/--tp/--dcp): the search sizes the cache from "
+            "memory (--memory-fraction, --reserve-gib)"
+        )
+    if not search and min_requests is not None:
+        raise click.UsageError(
+            "--requests sets the search's workload: drop --pp/--tp/--dcp to search, or drop "
+            "--requests"
+        )
+    if min_requests is not None and min_requests < 1:
+        raise click.UsageError(f"--requests = {min_requests} must be >= 1")
+    or_default = lambda value, default: default if value is None else value  # noqa: E731
+    kw = {"name": model_dir or flavor, "gpu": gpu, "memory_fraction": memory_fraction,
+          "page_size": page_size, "reserve_bytes": int(reserve_gib * GiB)}  # fmt: skip
     try:
         config = K3Config.from_hf(model_dir) if model_dir else checkpoint_config(flavor)
-        plan = make_plan(config, name=model_dir or flavor, gpu=gpu, pp_size=pp, tp_size=tp,
-                         dcp_size=dcp, memory_fraction=memory_fraction, page_size=page_size,
-                         context_len=context_len, reserve_bytes=int(reserve_gib * GiB),
-                         cache_bytes=None if cache_gib is None else int(cache_gib * GiB))  # fmt: skip
+        if search:
+            found = smallest_layout(
+                config, **kw, min_requests=or_default(min_requests, DEFAULT_MIN_REQUESTS),
+                context_len=or_default(context_len, DEFAULT_SEARCH_CONTEXT),
+            )  # fmt: skip
+        else:
+            plan = make_plan(
+                config, **kw, pp_size=or_default(pp, 1), tp_size=or_default(tp, 8),
+                dcp_size=or_default(dcp, 1), context_len=or_default(context_len, 1 << 20),
+                cache_bytes=None if cache_gib is None else int(cache_gib * GiB),
+            )  # fmt: skip
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    click.echo(str(plan))
+    if not search:
+        click.echo(str(plan))
+        return
+    click.echo(str(found))
+    if found.chosen is None:
+        raise click.ClickException("no layout fits: see the table above")
 
 
 register_job_commands(main)

@@ -2,17 +2,24 @@
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from k3batch.cli import main
+from k3batch.jobspec import load_job_spec
 from k3batch.plan import (
+    DEFAULT_MIN_REQUESTS,
+    DEFAULT_SEARCH_CONTEXT,
     MXFP4_BYTES_PER_PARAM,
     GiB,
     checkpoint_config,
     make_plan,
     pool_bytes,
+    shortfall,
+    smallest_layout,
+    tp_sizes,
     weight_bytes,
 )
 
@@ -132,7 +139,7 @@ def test_cli_plan_tiny_flavor_and_bad_layout():
     out = runner.invoke(main, ["plan", "--flavor", "k3-debug", "--tp", "2", "--gpu", "h100"])
     assert out.exit_code == 0, out.output
     assert "fits: yes" in out.output
-    out = runner.invoke(main, ["plan", "--flavor", "k3-debug"])  # tp 8 > 2 KDA heads
+    out = runner.invoke(main, ["plan", "--flavor", "k3-debug", "--tp", "8"])  # > 2 KDA heads
     assert out.exit_code != 0 and "does not divide kda_num_heads = 2" in out.output
 
 
@@ -142,3 +149,102 @@ def test_cli_plan_reads_a_checkpoint_config(tmp_path):
     assert out.exit_code == 0, out.output
     assert f"{make_plan(K3, tp_size=8).decode_weight_bytes:,} B" in out.output
     assert "routed experts 0.53125 B/param" in out.output
+
+
+H200_JOB = Path(__file__).parents[1] / "jobs" / "k3_h200.toml"
+
+
+@pytest.fixture(scope="module")
+def k3_h200():
+    return smallest_layout(K3, name="k3", gpu="h200")
+
+
+def test_search_finds_the_smallest_h200_layout_for_k3(k3_h200):
+    chosen = k3_h200.chosen
+    assert (chosen.pp_size, chosen.tp_size, chosen.dcp_size) == (16, 16, 16)
+    assert chosen.context_len == DEFAULT_SEARCH_CONTEXT == 131_072
+    assert chosen.fits and chosen.max_requests >= DEFAULT_MIN_REQUESTS
+    assert chosen.max_requests == 47 and not shortfall(chosen, DEFAULT_MIN_REQUESTS)
+    assert tp_sizes(K3) == [1, 2, 4, 8, 16, 32] and k3_h200.pp_sizes == (1, 2, 4, 8, 16, 32)
+    gpus = chosen.pp_size + chosen.tp_size
+    smaller = [p for p in k3_h200.tried if p.pp_size + p.tp_size < gpus]
+    # every layout of fewer GPUs was tried, and none holds the weights plus the workload
+    assert len(smaller) == len([1 for pp in (1, 2, 4, 8, 16) for tp in (1, 2, 4, 8, 16)
+                                if pp + tp < gpus])  # fmt: skip
+    for p in smaller:
+        assert shortfall(p, DEFAULT_MIN_REQUESTS), (p.pp_size, p.tp_size)
+    assert k3_h200.tried[-1] is chosen  # the search stops at the first size that fits
+    by_layout = {(p.pp_size, p.tp_size): shortfall(p, 32) for p in k3_h200.tried}
+    assert by_layout[(8, 16)] == ["prefill stage 80.0 GB over"]
+    assert by_layout[(16, 8)] == ["decode rank 84.5 GB over"]
+
+
+def test_search_reports_a_short_cache_and_no_fit():
+    search = smallest_layout(K3, gpu="h200", min_requests=48, max_pp=16, max_tp=16)
+    assert search.chosen is None  # PP16 + TP16 holds 47 of 48
+    last = search.tried[-1]
+    assert (last.pp_size, last.tp_size) == (16, 16)
+    assert shortfall(last, 48) == ["cache holds 47 of 48 requests (0.1 GB short)"]
+    assert "no layout of up to 32 GPUs per replica fits" in str(search)
+    with pytest.raises(ValueError, match="min_requests = 0"):
+        smallest_layout(K3, min_requests=0)
+
+
+def test_search_on_a_tiny_flavor_stops_at_two_gpus():
+    tiny = checkpoint_config("k3-debug")  # 2 KDA heads: tp 1 or 2
+    search = smallest_layout(tiny, gpu="h100", min_requests=1, context_len=1024)
+    assert search.tp_sizes == (1, 2) and len(search.tried) == 1
+    assert (search.chosen.pp_size, search.chosen.tp_size, search.chosen.dcp_size) == (1, 1, 1)
+
+
+def test_cli_plan_searches_without_a_layout(k3_h200):
+    out = CliRunner().invoke(main, ["plan", "--flavor", "k3", "--gpu", "h200"])
+    assert out.exit_code == 0, out.output
+    text = out.output
+    assert "gpus  pp  tp dcp prefill GB  decode GB requests  result" in text
+    assert "prefill stage 1,437.3 GB over; decode rank 1,437.3 GB over" in text  # pp 1, tp 1
+    assert "decode rank 84.5 GB over" in text and "prefill stage 80.0 GB over" in text
+    assert "smallest layout: pp 16, tp 16, dcp 16 = 32 GPUs per replica" in text
+    assert "47 requests of 131,072 tokens (>= 32)" in text and "spans 2 nodes of 8" in text
+    # then the chosen layout's full plan
+    assert "plan: k3 on h200 (141 GB), pp 16, tp 16, dcp 16" in text and "fits: yes" in text
+    assert text.count("DOES NOT FIT") == 0 and len(k3_h200.tried) + 4 < len(text.splitlines())
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--requests", "0"], "--requests = 0 must be >= 1"),
+        (["--tp", "8", "--requests", "4"], "--requests sets the search's workload"),
+        (["--cache-gib", "40"], "--cache-gib needs a layout"),
+        (["--gpu", "a100"], "gpu = 'a100' unknown"),
+        (["--context-len", "0"], "context_len = 0 must be >= 1"),
+        (["--pp", "0"], "pp_size = 0 must be in"),
+    ],
+    ids=["requests0", "requests-with-layout", "cache-in-search", "gpu", "context0", "pp0"],
+)
+def test_cli_plan_bad_input(args, match):
+    out = CliRunner().invoke(main, ["plan", *args])
+    assert out.exit_code == 2 and match in out.output and "Traceback" not in out.output
+
+
+def test_cli_plan_search_without_a_fit_fails():
+    out = CliRunner().invoke(main, ["plan", "--gpu", "h100", "--requests", "1000000"])
+    assert out.exit_code == 1 and "no layout fits" in out.output
+
+
+def test_h200_job_is_the_planner_layout(k3_h200, tmp_path):
+    spec = load_job_spec(H200_JOB)
+    chosen, r, e = k3_h200.chosen, spec.replicas, spec.engine
+    assert (r.pp, r.tp, r.dcp) == (chosen.pp_size, chosen.tp_size, chosen.dcp_size)
+    assert r.accelerator_type == "H200" and r.device == "cuda"
+    assert (e.memory_fraction, e.page_size) == (chosen.memory_fraction, chosen.page_size)
+    assert (e.max_num_seqs, e.max_seq_len) == (k3_h200.min_requests, chosen.context_len)
+    header = H200_JOB.read_text()
+    assert "`k3batch plan --flavor k3 --gpu h200`" in header
+    for figure in (chosen.prefill_weight_bytes, chosen.decode_weight_bytes, chosen.pool_bytes):
+        assert f"{figure / 1e9:.1f} GB" in header
+    assert f"{chosen.max_requests} requests of 131,072" in header
+    # it validates against the real K3 config (TP/DCP sizes, PP split)
+    (tmp_path / "config.json").write_text(json.dumps(K3.to_hf()))
+    dataclasses.replace(spec, model=str(tmp_path)).validate()
