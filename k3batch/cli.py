@@ -19,13 +19,16 @@ def main():
     help="Named config (k3-debug, k3-slice, kimi-linear-debug, ...).",
 )
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--experts", type=click.Choice(["auto", "mxfp4", "bf16"]), default="auto",
+              show_default=True,
+              help="Routed experts as stored: auto is MXFP4 for K3 flavors, bf16 for Kimi Linear.")
 @click.argument("out", type=click.Path(file_okay=False))
-def init_checkpoint_cmd(flavor, seed, out):
+def init_checkpoint_cmd(flavor, seed, experts, out):
     """Write a random-weight checkpoint in the official Hugging Face layout to OUT."""
     from k3batch.model.weights import init_checkpoint
 
     try:
-        init_checkpoint(flavor, out, seed)
+        init_checkpoint(flavor, out, seed, experts)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     click.echo(f"wrote {flavor} checkpoint (seed {seed}) to {out}")

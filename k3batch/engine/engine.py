@@ -66,6 +66,8 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._seeds: dict[str, int] = {}  # request -> its seed (drawn when none is given)
+        # prompt prefixes that a running prefill will checkpoint -> that request (see _admit)
+        self._pending: dict[tuple[int, ...], str] = {}
         self._errors: list[GenerationResult] = []
 
     def _account(self, runner, prefix_cache: bool) -> CacheManager:
@@ -99,7 +101,7 @@ class Engine:
         if reason:
             self._fail(req, reason)
             return
-        req.cuts = self._cuts(len(req.prompt_token_ids))
+        req.cuts = self._cuts(len(req.prompt_token_ids), sampling.prompt_logprobs_start)
         self._seeds[request_id] = draw_seed() if sampling.seed is None else sampling.seed
         self.waiting.append(req)
 
@@ -124,11 +126,16 @@ class Engine:
             return f"prompt of {len(ids)} tokens leaves no room in max_seq_len = {limit}"
         return None
 
-    def _cuts(self, prompt_len: int) -> tuple[int, ...]:
+    def _cuts(self, prompt_len: int, score_start: int = 0) -> tuple[int, ...]:
+        """Chunk ends: multiples of chunk_size and, with the prefix cache, the last page
+        boundary before the prompt's end and (for a scored continuation) before the first row
+        it needs, score_start - 1, so that its context is checkpointed for the next choice."""
         cs, ps = self.config.chunk_size, self.config.page_size
         cuts = set(range(cs, prompt_len, cs))
-        if self.pool.tree is not None and (prompt_len - 1) // ps * ps > 0:
-            cuts.add((prompt_len - 1) // ps * ps)
+        if self.pool.tree is not None:
+            for end in (prompt_len, score_start):
+                if 0 < (end - 1) // ps * ps < prompt_len:
+                    cuts.add((end - 1) // ps * ps)
         return tuple(sorted(cuts))
 
     def _fail(self, req: Request, reason: str) -> None:
@@ -174,16 +181,26 @@ class Engine:
 
     def _drop(self, req: Request) -> None:
         self.running.remove(req)
+        for prefix in [k for k, rid in self._pending.items() if rid == req.request_id]:
+            del self._pending[prefix]
         for pool in (self.pool, self.decode_pool):
             if pool is not None and pool.holds(req.request_id):
                 pool.release(req.request_id)
 
     def _admit(self) -> None:
-        """Admit waiting requests in order while they fit (KDA block + prompt pages)."""
+        """Admit waiting requests in order while they fit (KDA block + prompt pages). With
+        the prefix cache, a request whose prefix a running prefill is about to checkpoint
+        waits for that checkpoint (the choices of one context, admitted together, would all
+        miss otherwise); admission stays in order."""
+        ps = self.config.page_size
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             ids = req.prompt_token_ids
-            points = () if req.sampling.prompt_logprobs else req.cuts  # logprobs need every row
+            points = req.cuts
+            if req.sampling.prompt_logprobs:  # the rows from score_start - 1 on must be computed
+                points = [c for c in req.cuts if c < req.sampling.prompt_logprobs_start]
+            if self._pending and any(tuple(ids[:p]) in self._pending for p in points):
+                return  # its checkpoint is on the way
             hit = self.pool.admit(req.request_id, ids, len(ids), points)
             if hit is None:
                 if any(self.pool.holds(r.request_id) for r in self.running):
@@ -194,6 +211,10 @@ class Engine:
             self.waiting.popleft()
             req.num_computed, req.phase = hit, Phase.PREFILL
             self.running.append(req)
+            if self.pool.tree is not None:  # the checkpoints its prefill will save
+                for p in req.cuts:
+                    if p > hit and p % ps == 0:
+                        self._pending.setdefault(tuple(ids[:p]), req.request_id)
 
     def _make_room(self, pool: CacheManager) -> list[Request]:
         """The decoding requests of `pool`, each with a page for its next token; when pages
@@ -294,6 +315,8 @@ class Engine:
             end = r.num_computed
             if self.pool.tree is not None and end in r.cuts and end % ps == 0:
                 self.pool.save_checkpoint(r.request_id, r.prompt_token_ids[:end])
+                if self._pending.get(key := tuple(r.prompt_token_ids[:end])) == r.request_id:
+                    del self._pending[key]
         return plan, batch, want_all, handle
 
     def _finish_prefill(self, plan, batch, want_all, logits) -> None:
@@ -327,13 +350,23 @@ class Engine:
         self._abort(req, f"{type(e).__name__}: {e}")
 
     def _add_prompt_logprobs(self, req: Request, rows_TV, start: int, n: int) -> None:
-        """rows_TV: logits at prompt positions start .. start+n-1."""
-        if start == 0:
+        """rows_TV: logits at prompt positions start .. start+n-1; each row scores the next
+        token. Keeps the positions from prompt_logprobs_start on (position 0: None)."""
+        first = req.sampling.prompt_logprobs_start
+        if start == 0 and first == 0:
             req.prompt_logprobs.append(None)
-        targets = req.prompt_token_ids[start + 1 : start + n + 1]
-        lp = torch.log_softmax(rows_TV[: len(targets)].float(), dim=-1)
+            req.prompt_greedy.append(None)
+        lo = max(start, first - 1)  # the first row whose target is scored
+        targets = req.prompt_token_ids[lo + 1 : start + n + 1]
+        if not targets:
+            return
+        rows = rows_TV[lo - start : lo - start + len(targets)].float()
+        lp = torch.log_softmax(rows, dim=-1)
         tgt = torch.tensor(targets, device=lp.device)
-        req.prompt_logprobs.extend(lp.gather(-1, tgt[:, None])[:, 0].tolist())
+        both = torch.stack([lp.gather(-1, tgt[:, None])[:, 0].double(),
+                            (rows.argmax(-1) == tgt).double()]).tolist()  # fmt: skip
+        req.prompt_logprobs.extend(both[0])
+        req.prompt_greedy.extend(bool(g) for g in both[1])
 
     # ---- decode ---------------------------------------------------------------------------
     def _submit_decode(self, reqs: list[Request], runner, pool: CacheManager):
@@ -414,6 +447,7 @@ class Engine:
             req.finish_reason,
             output_logprobs=req.output_logprobs if p.logprobs else None,
             prompt_logprobs=req.prompt_logprobs if p.prompt_logprobs else None,
+            prompt_greedy=req.prompt_greedy if p.prompt_logprobs else None,
         )
 
     # ---- convenience ----------------------------------------------------------------------

@@ -22,6 +22,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # log p of each output token (raw model distribution)
     prompt_logprobs: bool = False  # log p of each prompt token given its prefix (first: None)
+    # Score only prompt tokens at positions >= this (a continuation after its context): the
+    # context before it may then come from the prefix cache. prompt_logprobs and prompt_greedy
+    # cover positions [prompt_logprobs_start, len(prompt)).
+    prompt_logprobs_start: int = 0
 
     def validate(self) -> "SamplingParams":
         """ValueError naming the field for a value of the wrong type or range: nothing that
@@ -30,7 +34,7 @@ class SamplingParams:
             value = getattr(self, name)
             if not is_real(value) or not math.isfinite(value):
                 raise ValueError(f"{name} = {value!r} must be a finite number")
-        for name in ("top_k", "max_new_tokens"):
+        for name in ("top_k", "max_new_tokens", "prompt_logprobs_start"):
             if not is_int(getattr(self, name)):
                 raise ValueError(f"{name} = {getattr(self, name)!r} must be an integer")
         if not self.temperature >= 0:
@@ -39,6 +43,8 @@ class SamplingParams:
             raise ValueError(f"top_p = {self.top_p} must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError(f"top_k = {self.top_k} must be >= 0")
+        if self.prompt_logprobs_start < 0:
+            raise ValueError(f"prompt_logprobs_start = {self.prompt_logprobs_start} must be >= 0")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens = {self.max_new_tokens} must be >= 1")
         if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed <= MAX_SEED):
@@ -85,6 +91,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_greedy: list[bool | None] = field(default_factory=list)  # token == argmax of its row
     finish_reason: str | None = None
 
     @property
@@ -95,6 +102,7 @@ class Request:
         """Drop all progress (a retracted request runs again from its prompt)."""
         self.phase, self.num_computed, self.finish_reason = Phase.WAITING, 0, None
         self.output_token_ids, self.output_logprobs, self.prompt_logprobs = [], [], []
+        self.prompt_greedy = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,4 +113,5 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "error"
     output_logprobs: list[float] | None = None
     prompt_logprobs: list[float | None] | None = None
+    prompt_greedy: list[bool | None] | None = None  # with prompt_logprobs: each token the argmax
     error: str | None = None

@@ -225,6 +225,8 @@ class K3Config:
             "torch_dtype": "bfloat16",
         }
         if not self.is_k3:
+            if self.experts_mxfp4:
+                text["quantization_config"] = self._quantization_config()
             return text
         text["linear_attn_config"] |= {
             "gate_lower_bound": self.gate_lower_bound,
@@ -245,22 +247,26 @@ class K3Config:
             "text_config": text,
         }
         if self.experts_mxfp4:
-            out["quantization_config"] = {
-                "quant_method": "compressed-tensors",
-                "format": "mxfp4-pack-quantized",
-                "config_groups": {
-                    "group_0": {"weights": {"num_bits": 4, "group_size": 32}, "targets": ["Linear"]}
-                },
-                "ignore": [
-                    "re:.*self_attn.*",
-                    "re:.*shared_experts.*",
-                    "re:.*mlp.*",
-                    "re:.*gate$",
-                    "re:.*routed_expert_(up|down)_proj",
-                    "lm_head",
-                ],
-            }
+            out["quantization_config"] = self._quantization_config()
         return out
+
+    def _quantization_config(self) -> dict:
+        """compressed-tensors' MXFP4 entry: routed experts packed, everything else bf16."""
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "mxfp4-pack-quantized",
+            "config_groups": {
+                "group_0": {"weights": {"num_bits": 4, "group_size": 32}, "targets": ["Linear"]}
+            },
+            "ignore": [
+                "re:.*self_attn.*",
+                "re:.*shared_experts.*",
+                "re:.*mlp.*",
+                "re:.*gate$",
+                "re:.*routed_expert_(up|down)_proj",
+                "lm_head",
+            ],
+        }
 
     @property
     def is_k3(self) -> bool:

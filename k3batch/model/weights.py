@@ -358,16 +358,20 @@ def write_checkpoint(
     return model
 
 
-def init_checkpoint(flavor: str, out_dir, seed: int) -> K3Model:
+def init_checkpoint(flavor: str, out_dir, seed: int, experts: str = "auto") -> K3Model:
     """Random-weight checkpoint of a named flavor (the `k3batch init-checkpoint` command).
 
-    K3 flavors get MXFP4 experts like the real checkpoint (`experts_mxfp4=True`, so config.json
-    carries the quantization_config). Returns the fp32 model written, whose experts hold their
-    dequantized values: loading the checkpoint in fp32 gives back exactly `param.to(bf16)`.
+    experts: "mxfp4" (routed experts stored packed, config.json carries the
+    quantization_config), "bf16", or "auto": as the official checkpoints store them, MXFP4 for
+    K3 flavors and bf16 for Kimi Linear. Returns the fp32 model written; with MXFP4 its experts
+    hold their dequantized values, so loading the checkpoint in fp32 gives back exactly
+    `param.to(bf16)`.
     """
+    if experts not in ("auto", "mxfp4", "bf16"):
+        raise ValueError(f"experts = {experts!r}; expected auto, mxfp4 or bf16")
     config = get_flavor(flavor)
-    if config.is_k3:
-        config = dataclasses.replace(config, experts_mxfp4=True)
+    mxfp4 = config.is_k3 if experts == "auto" else experts == "mxfp4"
+    config = dataclasses.replace(config, experts_mxfp4=mxfp4)
     return write_checkpoint(config, out_dir, seed=seed)
 
 

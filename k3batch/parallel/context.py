@@ -52,19 +52,21 @@ class ContextParallelMLA(KimiMLAAttention):
         B, H, L = q_BHQ.shape[0], self.num_heads, self.kv_lora
         pool = batch.mla_pages[self.layer_idx]  # [P, page_size, C]: local tokens in pages
         ps = pool.shape[1]
-        pos = list(batch.cached_lens)  # global position of each new token (pages: bind checks)
-        own = [b for b, p in enumerate(pos) if p % M == d]
-        if own:  # only the owner stores the new token
-            idx = torch.tensor(own, device=dev)
-            local = torch.tensor([pos[b] // M for b in own], device=dev)
-            rows = batch.page_rows[idx].gather(1, (local // ps)[:, None])[:, 0]
-            pool[rows, local % ps] = latent_BC[idx].to(pool.dtype)
+        # On the device, no host sync: every rank writes a row for every sequence, the owner its
+        # new latent, the others the value already there (token p's local index p // M has a
+        # page on every rank: bind checked the owner's, and the others' stripes are as long).
+        pos_B = batch.positions  # global position of each new token
+        local_B = pos_B // M
+        rows_B = batch.page_rows.gather(1, (local_B // ps)[:, None])[:, 0]
+        slot_B = local_B % ps
+        own_B = (pos_B % M == d)[:, None]
+        pool[rows_B, slot_B] = torch.where(own_B, latent_BC.to(pool.dtype), pool[rows_B, slot_B])
 
         q_group = self.dcp.all_gather(self.absorb(q_BHQ), dim=1)  # [B, M * H, C], rank order
-        num_local = [(p - d) // M + 1 if p >= d else 0 for p in pos]  # tokens i <= p, i % M == d
-        lens = torch.tensor(num_local, dtype=torch.int32).to(dev, non_blocking=True)
+        # Local tokens i <= p with i % M == d; ceil(max_len / M) bounds them (split sizing).
+        lens = torch.where(pos_B >= d, (pos_B - d) // M + 1, 0).to(torch.int32)
         out, lse = self.attend_pages(
-            q_group, pool, batch.page_rows, lens, max(num_local), out_dtype=torch.float32
+            q_group, pool, batch.page_rows, lens, -(-batch.max_len // M), out_dtype=torch.float32
         )  # [B, M * H, L] fp32, [B, M * H]
         packed = torch.cat([out, lse[..., None]], dim=-1).view(B, M, H, L + 1)
         recv = self.dcp.all_to_all(list(packed.transpose(0, 1).contiguous().unbind(0)))

@@ -26,11 +26,12 @@ from k3batch.parallel.linear import ParallelSparseMoE, RowParallelLinear, VocabP
 
 # Leaf module (or parameter) names cut along their rows (dim 0): per-head projections, their
 # conv channels and gate parameters, FFN gate/up rows, vocabulary rows, and stacked experts
-# (dim 0 is the expert). Output projections are cut along their input columns (dim 1).
+# (dim 0 is the expert; packed MXFP4 experts too). Output projections are cut along their
+# input columns (dim 1).
 _ROWS = {
     "q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "A_log", "dt_bias",
     "f_b_proj", "b_proj", "g_proj", "g_b_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj",
-    "lm_head", "w13", "w2",
+    "lm_head", "w13", "w2", "w13_packed", "w13_scale", "w2_packed", "w2_scale",
 }  # fmt: skip
 _COLUMNS = {"o_proj", "down_proj"}
 

@@ -142,6 +142,22 @@ def test_weights_packed_experts_match_dequantized(written, loaded, dtype):
     assert tokens[0] == tokens[1]
 
 
+def test_weights_kimi_linear_mxfp4_checkpoint(tmp_path):
+    """`init-checkpoint --experts mxfp4` on a Kimi Linear flavor: config.json says so, the
+    experts are stored as MXFP4 halves, and they load packed or dequantized to the same logits."""
+    from k3batch.model.config import K3Config
+
+    init_checkpoint("kimi-linear-debug", tmp_path, seed=0, experts="mxfp4")
+    assert K3Config.from_hf(tmp_path).experts_mxfp4
+    assert any(n.endswith(".weight_packed") for n in _index(tmp_path)["weight_map"])
+    packed = k3batch.load_model(tmp_path, dtype=torch.float32)
+    plain = k3batch.load_model(tmp_path, dtype=torch.float32, expert_dtype="bf16")
+    assert any(n.endswith("w13_packed") for n, _ in packed.named_parameters())
+    ids = torch.randint(0, packed.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(packed(ids), plain(ids))
+
+
 def test_weights_expert_dtype_errors(written):
     with pytest.raises(ValueError, match="needs MXFP4 experts"):
         k3batch.load_model(written["kimi-linear-debug"][1], expert_dtype="mxfp4")

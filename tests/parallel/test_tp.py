@@ -388,17 +388,17 @@ def test_load_rank_weights_reads_the_shards(tmp_path):
     from k3batch.model.weights import init_checkpoint
 
     init_checkpoint("k3-debug", tmp_path, seed=0)  # MXFP4 experts, bf16 tensors
-    full = load_model(tmp_path, dtype=torch.float32)
-    for tp_size in (1, 2):  # k3-debug's 2 heads allow no more
-        layout = ParallelLayout(tp_size=tp_size, dcp_size=tp_size)
-        for r in range(tp_size):
-            tp, dcp = ParallelGroup.detached(r, tp_size), ParallelGroup.detached(r, tp_size)
-            model = build_rank_model(
-                full.config, layout, tp, dcp, dtype=torch.float32, device="cpu"
-            )
-            load_rank_weights_(model, tmp_path, layout, r)
-            want = shard_full_state_dict(full, layout, r)
-            got = model.state_dict()
-            assert sorted(got) == sorted(want)
-            for name, t in want.items():
-                assert torch.equal(got[name], t), (tp_size, r, name)
+    for expert_dtype in ("bf16", "mxfp4"):  # dequantized at load, or kept packed
+        full = load_model(tmp_path, dtype=torch.float32, expert_dtype=expert_dtype)
+        for tp_size in (1, 2):  # k3-debug's 2 heads allow no more
+            layout = ParallelLayout(tp_size=tp_size, dcp_size=tp_size)
+            for r in range(tp_size):
+                tp, dcp = ParallelGroup.detached(r, tp_size), ParallelGroup.detached(r, tp_size)
+                model = build_rank_model(full.config, layout, tp, dcp, dtype=torch.float32,
+                                         device="cpu", expert_dtype=expert_dtype)  # fmt: skip
+                load_rank_weights_(model, tmp_path, layout, r)
+                want = shard_full_state_dict(full, layout, r)
+                got = model.state_dict()
+                assert sorted(got) == sorted(want)
+                for name, t in want.items():
+                    assert torch.equal(got[name], t), (expert_dtype, tp_size, r, name)
