@@ -194,7 +194,10 @@ def _free_port() -> int:
 # (model, tp_size, DCP sizes run in one set of workers, the DCP sizes that also run free routing)
 CASES = [
     pytest.param("k3-debug", 2, (1, 2), (1, 2), id="k3-debug-tp2-dcp1,2"),
-    pytest.param("k3-debug-h4", 4, (1, 2, 4), (1, 2, 4), id="k3-debug-h4-tp4-dcp1,2,4"),
+    pytest.param("k3-debug-h4", 4, (4,), (4,), id="k3-debug-h4-tp4-dcp4"),
+    # The whole tp4 table (~140 s on CI's two cores): slow; DCP 1 and 2 run above at tp2.
+    pytest.param("k3-debug-h4", 4, (1, 2, 4), (1, 2, 4), id="k3-debug-h4-tp4-dcp1,2,4",
+                 marks=pytest.mark.slow),
     pytest.param("kimi-linear-debug", 2, (2,), (2,), id="kimi-linear-debug-tp2-dcp2"),
 ]
 
