@@ -24,6 +24,22 @@ def _median_ms(fn) -> float:
     return do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
+def _sweep(configs: list[dict], time_cfg, rate, on_row=None) -> list[dict]:
+    """Each launch config timed: cfg | {"ms", **rate(ms)}, or cfg | {"error"} for one the
+    device refuses (out of shared memory or registers); on_row sees each timed row."""
+    tried = []
+    for cfg in configs:
+        try:
+            ms = time_cfg(cfg)
+        except Exception as e:
+            tried.append(cfg | {"error": type(e).__name__})
+            continue
+        tried.append(cfg | {"ms": ms} | rate(ms))
+        if on_row:
+            on_row(tried[-1])
+    return tried
+
+
 def decode_inputs(batch: int, context_len: int, heads: int, *, kv_lora: int = 512,
                   rope: int = 64, page_size: int = 64, dtype=torch.bfloat16,
                   seed: int = 0):  # fmt: skip
@@ -64,16 +80,10 @@ def run_mla_decode_bench(*, batch: int = 64, context_len: int = 8192, heads: int
     tried = []
     if sweep:
         splits = sorted({1, base["num_splits"], 2 * base["num_splits"]})
-        for bh, bn, nw, ns, m in itertools.product((16, 32, 64), (32, 64), (4, 8), (1, 2), splits):
-            cfg = dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, num_splits=m)
-            try:
-                ms = time_cfg(cfg)
-            except Exception as e:  # out of shared memory / registers: skip the config
-                tried.append(cfg | {"error": type(e).__name__})
-                continue
-            tried.append(cfg | {"ms": ms, "tbps": nbytes / ms / 1e9})
-            if on_row:
-                on_row(tried[-1])
+        grid = itertools.product((16, 32, 64), (32, 64), (4, 8), (1, 2), splits)
+        configs = [dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, num_splits=m)
+                   for bh, bn, nw, ns, m in grid]  # fmt: skip
+        tried = _sweep(configs, time_cfg, lambda ms: {"tbps": nbytes / ms / 1e9}, on_row)
     ok = [t for t in tried if "ms" in t]
     best = min(ok, key=lambda t: t["ms"]) if ok else base | {"ms": default_ms}
     tbps = nbytes / default_ms / 1e9
@@ -122,16 +132,10 @@ def run_mla_prefill_bench(*, seq_lens=(8192,), cached_lens=None, heads: int = 96
     default_ms = time_cfg(base)
     tried = []
     if sweep:
-        for bm, bn, nw, ns in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
-            cfg = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
-            try:
-                ms = time_cfg(cfg)
-            except Exception as e:
-                tried.append(cfg | {"error": type(e).__name__})
-                continue
-            tried.append(cfg | {"ms": ms, "tflops": flops / ms / 1e9})
-            if on_row:
-                on_row(tried[-1])
+        grid = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
+        configs = [dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+                   for bm, bn, nw, ns in grid]  # fmt: skip
+        tried = _sweep(configs, time_cfg, lambda ms: {"tflops": flops / ms / 1e9}, on_row)
     ok = [t for t in tried if "ms" in t]
     best = min(ok, key=lambda t: t["ms"]) if ok else base | {"ms": default_ms}
     torch.cuda.reset_peak_memory_stats()
