@@ -32,6 +32,7 @@ from k3batch.model import get_flavor
 from k3kernels.moe.experts import fused_experts
 from k3kernels.moe.grouped_gemm import grouped_mm
 from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton
+from k3kernels.moe.mxfp4 import round_to_mxfp4_
 from k3kernels.moe.permute import sort_slots
 
 PEAK_BF16_TFLOPS = 777.0  # dense bf16 GEMM measured on one H200 (issue 12)
@@ -67,18 +68,6 @@ def _time_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _packed_(w_EOI):
-    """MXFP4Weight of bf16 stacked experts, quantized one expert at a time on their device;
-    `w_EOI` is overwritten with the dequantized values (the same weights for the bf16 rows)."""
-    from k3kernels.moe.mxfp4 import MXFP4Weight, quantize_mxfp4
-
-    halves = [quantize_mxfp4(w) for w in w_EOI]
-    packed = MXFP4Weight(torch.stack([p for p, _ in halves]), torch.stack([s for _, s in halves]))
-    for e, (p, s) in enumerate(halves):
-        w_EOI[e].copy_(MXFP4Weight(p, s).dequantize(w_EOI.dtype))
-    return packed
-
-
 def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_layers=None,
                    repeats: int = 10, seed: int = 0, expert_dtype: str = "bf16") -> list[dict]:  # fmt: skip
     """Rows {"impl", "ms", "tflops", "pct_peak", "weight_tbps"} for the routed experts of
@@ -102,7 +91,8 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
     weight_bytes = touched * 3 * D * I * 2  # bf16 w13 [2I, D] + w2 [D, I] per expert
     packed_bytes = touched * 3 * D * I * 17 // 32  # MXFP4: 4 bits + one byte per 32 values
     if expert_dtype == "mxfp4":
-        packed = [(_packed_(w13), _packed_(w2)) for _, w13, w2, _, _ in layers]
+        # the bf16 rows then run on the same weights' dequantized values
+        packed = [(round_to_mxfp4_(w13), round_to_mxfp4_(w2)) for _, w13, w2, _, _ in layers]
     elif expert_dtype != "bf16":
         raise ValueError(f"expert_dtype = {expert_dtype!r}; expected bf16 or mxfp4")
     sorted_rows = []

@@ -1,6 +1,8 @@
 """The `k3batch` command line. Each command parses flags, builds typed config and calls one
 library function."""
 
+import json
+
 import click
 
 from k3batch.cli_jobs import register as register_job_commands
@@ -157,8 +159,6 @@ def bench():
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def bench_pipeline(model_dir, stages, chunks, chunk_tokens, device, address, json_path):
     """Measured fill of a chunked PP prefill against the teaching model n/(n+P-1)."""
-    import json
-
     from k3batch.bench import format_fill_table, run_pipeline_bench
 
     counts = [int(c) for c in chunks.split(",")]
@@ -180,6 +180,13 @@ def bench_pipeline(model_dir, stages, chunks, chunk_tokens, device, address, jso
             )
 
 
+def _append_jsonl(path: str | None, rows: list[dict]) -> None:
+    """Append rows to a JSON-lines file (the benchmarks' --json), when a path is given."""
+    if path:
+        with open(path, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
 @bench.command("engine")
 @click.option("--flavor", default="k3-debug", show_default=True)
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
@@ -195,8 +202,6 @@ def bench_pipeline(model_dir, stages, chunks, chunk_tokens, device, address, jso
 def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, profile, cuda_graphs,
                  expert_dtype, json_path):  # fmt: skip
     """Single-device engine throughput, prefill MFU and peak memory on random weights."""
-    import json
-
     from k3batch.actors.build import default_device
     from k3batch.bench import engine_throughput, format_profile
 
@@ -221,9 +226,7 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, prof
         f"decode step {row['decode_step_ms']} ms; roofline {row['decode_floor_ms']} ms "
         f"({row['decode_roofline_x']}x) = {row['decode_bytes']} bytes at 4.26 TB/s"
     )
-    if json_path:
-        with open(json_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    _append_jsonl(json_path, [row])
 
 
 @bench.command("moe")
@@ -236,8 +239,6 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, prof
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def bench_moe(flavor, tokens, layers, repeats, expert_dtype, json_path):
     """Routed experts alone (CUDA): TFLOP/s, % of the bf16 GEMM peak, TB/s on expert bytes."""
-    import json
-
     from k3batch.bench_moe import format_moe_table, moe_throughput
 
     try:
@@ -246,9 +247,7 @@ def bench_moe(flavor, tokens, layers, repeats, expert_dtype, json_path):
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     click.echo(format_moe_table(rows))
-    if json_path:
-        with open(json_path, "a") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in rows))
+    _append_jsonl(json_path, rows)
 
 
 @bench.command("layouts")
@@ -264,8 +263,6 @@ def bench_moe(flavor, tokens, layers, repeats, expert_dtype, json_path):
 def bench_layouts(flavor, gpus, device, prompt_len, chunk_sizes, decode_batch, context_len,
                   repeats, json_path):  # fmt: skip
     """PP-N vs TP-N prefill and TP-N vs TP-N + DCP-N decode on N devices (random weights)."""
-    import json
-
     from k3batch.bench_layouts import LayoutBench, run_layout_bench
 
     bench = LayoutBench(flavor=flavor, num_devices=gpus, device=device, prompt_len=prompt_len,
@@ -276,9 +273,7 @@ def bench_layouts(flavor, gpus, device, prompt_len, chunk_sizes, decode_batch, c
         rows = run_layout_bench(bench)  # prints each row as it is measured
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    if json_path:
-        with open(json_path, "a") as f:
-            f.writelines(json.dumps(r | {"flavor": flavor, "gpus": gpus}) + "\n" for r in rows)
+    _append_jsonl(json_path, [r | {"flavor": flavor, "gpus": gpus} for r in rows])
 
 
 @bench.command("comm")
@@ -311,17 +306,13 @@ def bench_comm(flavor, gpus, p2p_gbps, busbw_gbps):
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def bench_mla_decode(batch, context_len, heads, page_size, sweep, json_path):
     """Paged MLA decode kernel: bandwidth on the latent bytes read vs the copy bandwidth."""
-    import json
-
     from k3batch.bench_mla import format_result, run_mla_decode_bench
 
     r = run_mla_decode_bench(batch=batch, context_len=context_len, heads=heads,
                              page_size=page_size, sweep=sweep,
                              on_row=lambda row: click.echo(json.dumps(row)))  # fmt: skip
     click.echo(format_result("mla-decode", r))
-    if json_path:
-        with open(json_path, "a") as f:
-            f.write(json.dumps(r) + "\n")
+    _append_jsonl(json_path, [r])
 
 
 @bench.command("mla-prefill")
@@ -332,8 +323,6 @@ def bench_mla_decode(batch, context_len, heads, page_size, sweep, json_path):
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def bench_mla_prefill(seq_lens, cached_lens, heads, sweep, json_path):
     """MLA prefill flash kernel: useful TFLOP/s vs the bf16 GEMM peak."""
-    import json
-
     from k3batch.bench_mla import format_result, run_mla_prefill_bench
 
     lens = [int(n) for n in seq_lens.split(",")]
@@ -341,9 +330,7 @@ def bench_mla_prefill(seq_lens, cached_lens, heads, sweep, json_path):
     r = run_mla_prefill_bench(seq_lens=lens, cached_lens=cached, heads=heads, sweep=sweep,
                               on_row=lambda row: click.echo(json.dumps(row)))
     click.echo(format_result("mla-prefill", r))
-    if json_path:
-        with open(json_path, "a") as f:
-            f.write(json.dumps(r) + "\n")
+    _append_jsonl(json_path, [r])
 
 
 @main.command("plan")

@@ -92,17 +92,22 @@ class PagedCache:
         if batch.page_tables is None or not self.mla_latent or batch.page_rows is not None:
             return
         batch.mla_pages = self.mla_latent
-        ps, dcp = self.page_size, self.dcp_size
         if batch.is_decode:
-            for n, (pos, table) in enumerate(zip(batch.cached_lens, batch.page_tables)):
-                if (pos // dcp) // ps >= len(table):
-                    raise ValueError(
-                        f"sequence {n} has no page for its token at position {pos} "
-                        f"({len(table)} pages of {ps} tokens, dcp_size {dcp})"
-                    )
+            self.check_decode_pages(batch)
         width = max(1, max(len(t) for t in batch.page_tables))
         padded = [list(t) + [0] * (width - len(t)) for t in batch.page_tables]
         batch.page_rows = self.rows(padded)
+
+    def check_decode_pages(self, batch) -> None:
+        """ValueError unless every sequence of a decode batch has the page of its new token
+        (local token position // dcp_size on this cache's pages). Host lists only."""
+        ps, dcp = self.page_size, self.dcp_size
+        for n, (pos, table) in enumerate(zip(batch.cached_lens, batch.page_tables)):
+            if (pos // dcp) // ps >= len(table):
+                raise ValueError(
+                    f"sequence {n} has no page for its token at position {pos} "
+                    f"({len(table)} pages of {ps} tokens, dcp_size {dcp})"
+                )
 
     # ---- one request's tensors (handoff, tests) --------------------------------------------
     def request_tensors(self, block: int, pages: list[int], num_tokens: int) -> dict:

@@ -11,7 +11,7 @@ captured shape; a batch that is not a bucket runs eagerly on the same buffers.
 Capture (`capture()`, once, before any request holds the cache): every bucket runs twice
 eagerly first (Triton compiles and fla autotunes there, never inside a capture), then the
 graphs are captured from the largest bucket down, sharing one memory pool. The warm-up runs
-write into KDA block 0 and page 0; nothing is cached yet, and a prefill never reads a block
+write into KDA block 0 and page row 0; nothing is cached yet, and a prefill never reads a block
 or page it has not written. Logits come back in the graph's static output: consume them
 before the next step.
 
@@ -67,10 +67,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Warm every bucket up eagerly, then capture one graph per bucket (largest first)."""
-        self._dev.zero_()
-        self.page_rows.copy_(self.cache.rows([0]).expand_as(self.page_rows))
-        self._host[3 * self.max_batch :] = self.page_rows.view(-1).cpu()
-        self.positions.fill_(1)
+        self._dev.zero_()  # every row: token 0, block 0, page row 0 ...
+        self.positions.fill_(1)  # ... at position 1
         for b in self.buckets:
             for _ in range(2):
                 self._forward(b)
@@ -88,13 +86,11 @@ class DecodeGraphs:
         positions every step; page-table rows only where they changed, usually by one
         appended page), then the bucket's graph replayed (eager on the same buffers when
         none was captured). The previous step's copy is done: its tokens came back."""
-        b, B, P, ps = len(ids), self.max_batch, self.max_pages, self.cache.page_size
+        b, B, P = len(ids), self.max_batch, self.max_pages
         tables = batch.page_tables
         if b > B or any(len(t) > P for t in tables):
             raise ValueError(f"decode batch of {b} rows exceeds the static buffers ({B} x {P})")
-        for n, (pos, t) in enumerate(zip(batch.cached_lens, tables)):
-            if pos // ps >= len(t):
-                raise ValueError(f"sequence {n} has no page for its token at position {pos}")
+        self.cache.check_decode_pages(batch)
         host = self._host
         host[:b] = torch.tensor(ids)
         host[B : B + b] = torch.tensor(batch.slot_ids)

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from k3batch.model.config import K3Config, get_flavor
 from k3batch.model.init import init_random_
 from k3batch.model.k3 import K3Model
-from k3kernels.moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from k3kernels.moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4_stacked, round_to_mxfp4_
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -391,15 +391,7 @@ def _split_shards(entries: list[Entry], max_shard_bytes: int) -> list[list[Entry
 def _round_experts_to_mxfp4_(model: K3Model) -> None:
     for fqn, p in model.named_parameters():
         if ".experts.w" in fqn:
-            p.copy_(dequantize_mxfp4(*_quantize_stacked(p), dtype=p.dtype))
-
-
-def _quantize_stacked(w_EOI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_mxfp4 of stacked experts [E, out, in] on CPU, a few experts at a time so that
-    the fp32 temporaries stay near 2^26 elements."""
-    step = max(1, 2**26 // w_EOI[0].numel())
-    parts = [quantize_mxfp4(chunk.to("cpu")) for chunk in w_EOI.detach().split(step)]
-    return torch.cat([p for p, _ in parts]), torch.cat([s for _, s in parts])
+            round_to_mxfp4_(p)
 
 
 @torch.no_grad()
@@ -417,7 +409,8 @@ def _export(param: torch.Tensor, entry: Entry, gen, quantized: dict) -> torch.Te
     elif entry.role in ("packed", "scale"):  # all experts of a param are quantized at once
         if entry.param not in quantized:
             quantized.clear()
-            quantized[entry.param] = _quantize_stacked(param)
+            q = quantize_mxfp4_stacked(param)
+            quantized[entry.param] = (q.packed.cpu(), q.scale.cpu())
         packed, scale = quantized[entry.param]  # rows quantize independently: slice after
         half = packed if entry.role == "packed" else scale
         return expert_rows(half, entry, entry.expert).clone()

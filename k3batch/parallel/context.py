@@ -48,7 +48,7 @@ class ContextParallelMLA(KimiMLAAttention):
     def _decode(self, q_BHQ, latent_BC, batch):
         if self.dcp.size == 1:
             return super()._decode(q_BHQ, latent_BC, batch)
-        M, d, dev = self.dcp.size, self.dcp.rank, q_BHQ.device
+        M, d = self.dcp.size, self.dcp.rank
         B, H, L = q_BHQ.shape[0], self.num_heads, self.kv_lora
         pool = batch.mla_pages[self.layer_idx]  # [P, page_size, C]: local tokens in pages
         ps = pool.shape[1]

@@ -124,3 +124,21 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mag += magnitude > bound
     codes = mag | (torch.signbit(scaled).to(torch.uint8) << 3)
     return pack_fp4(codes.flatten(-2)[..., :in_size]), scale
+
+
+def quantize_mxfp4_stacked(w_EOI: torch.Tensor, max_elems: int = 2**26) -> MXFP4Weight:
+    """`quantize_mxfp4` of stacked experts [E, out, in] on their device, a few experts at a
+    time so that the fp32 temporaries stay near max_elems elements."""
+    step = max(1, max_elems // w_EOI[0].numel())
+    parts = [quantize_mxfp4(chunk) for chunk in w_EOI.detach().split(step)]
+    return MXFP4Weight(torch.cat([p for p, _ in parts]), torch.cat([s for _, s in parts]))
+
+
+@torch.no_grad()
+def round_to_mxfp4_(w_EOI: torch.Tensor) -> MXFP4Weight:
+    """Replace stacked experts [E, out, in] by their MXFP4-rounded values, in place, one expert
+    at a time; returns the packed weights (dequantizing them gives `w_EOI` back exactly)."""
+    q = quantize_mxfp4_stacked(w_EOI)
+    for e in range(w_EOI.shape[0]):
+        w_EOI[e].copy_(dequantize_mxfp4(q.packed[e], q.scale[e], dtype=w_EOI.dtype))
+    return q
