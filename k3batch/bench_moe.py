@@ -23,6 +23,8 @@ shapes (few tokens) the column that matters is TB/s: the bytes of the experts th
 (each read once) over the time, against the copy bandwidth (4.26 TB/s on the H200).
 """
 
+import itertools
+import json
 import statistics
 from functools import partial
 
@@ -69,12 +71,15 @@ def _time_ms(fn, repeats: int) -> float:
 
 
 def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_layers=None,
-                   repeats: int = 10, seed: int = 0, expert_dtype: str = "bf16") -> list[dict]:  # fmt: skip
+                   repeats: int = 10, seed: int = 0, expert_dtype: str = "bf16",
+                   sweep: bool = False) -> list[dict]:  # fmt: skip
     """Rows {"impl", "ms", "tflops", "pct_peak", "weight_tbps"} for the routed experts of
     `num_layers` MoE layers (default: all of the flavor's) at `num_tokens` tokens, on CUDA,
     activations bf16. expert_dtype "mxfp4": the experts quantized and kept packed, rows
     "experts-mxfp4" / "gemm-mxfp4" (the W4A16 kernel, TB/s on the packed bytes) beside the
-    bf16 "experts" / "gemm" rows of the same weights' dequantized values."""
+    bf16 "experts" / "gemm" rows of the same weights' dequantized values. sweep: also the
+    Triton GEMM of that format over `sweep_configs` (rows named "<impl> <config json>"); the
+    best goes into the GPU's tuned table (`k3kernels/moe/tuned/`)."""
     if not torch.cuda.is_available():
         raise ValueError("bench moe needs a CUDA device")
     config = get_flavor(flavor)
@@ -109,8 +114,11 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
 
         return run
 
-    def gemm_only(parts=1, impl="torch"):
-        gemm = grouped_mm_triton if impl == "triton" else partial(grouped_mm, num_parts=parts)
+    def gemm_only(parts=1, impl="torch", cfg=None):
+        if impl == "triton":
+            gemm = partial(grouped_mm_triton, **(cfg or {}))
+        else:
+            gemm = partial(grouped_mm, num_parts=parts)
 
         def run():
             h = torch.empty(h_shape, dtype=torch.bfloat16, device=device)
@@ -128,13 +136,16 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
         for (x, _, _, ids, w), (w13, w2) in zip(layers, packed):
             fused_experts(x, w13, w2, ids, w, use_triton=True, **kw)
 
-    def gemm_mxfp4():
+    def gemm_mxfp4(cfg=None):
         from k3kernels.moe.w4a16 import grouped_mm_mxfp4
 
-        h = torch.empty(h_shape, dtype=torch.bfloat16, device=device)
-        for (w13, w2), (xs, offs) in zip(packed, sorted_rows):
-            grouped_mm_mxfp4(xs, w13, offs)
-            grouped_mm_mxfp4(h, w2, offs)
+        def run():
+            h = torch.empty(h_shape, dtype=torch.bfloat16, device=device)
+            for (w13, w2), (xs, offs) in zip(packed, sorted_rows):
+                grouped_mm_mxfp4(xs, w13, offs, **(cfg or {}))
+                grouped_mm_mxfp4(h, w2, offs, **(cfg or {}))
+
+        return run
 
     rows = []
     impls = [("experts", experts(True)), ("gemm", gemm_only()),
@@ -143,8 +154,13 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
              ("gemm-triton", gemm_only(impl="triton")),
              ("torch-elementwise", experts(False)), ("loop-before", loop_before)]  # fmt: skip
     if expert_dtype == "mxfp4":
-        impls = [("experts-mxfp4", experts_mxfp4), ("gemm-mxfp4", gemm_mxfp4), *impls[:2],
+        impls = [("experts-mxfp4", experts_mxfp4), ("gemm-mxfp4", gemm_mxfp4()), *impls[:2],
                  *impls[4:6]]  # fmt: skip
+    if sweep:  # the Triton kernel of this weight format over launch configs, as "<impl> {cfg}"
+        gemm = gemm_mxfp4 if expert_dtype == "mxfp4" else partial(gemm_only, impl="triton")
+        name = "gemm-mxfp4" if expert_dtype == "mxfp4" else "gemm-triton"
+        impls += [(f"{name} {json.dumps(cfg)}", gemm(cfg=cfg))
+                  for cfg in sweep_configs(num_tokens <= 4 * config.num_experts)]  # fmt: skip
     for impl, fn in impls:
         try:
             ms = _time_ms(fn, repeats)
@@ -158,6 +174,35 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
                                           / ms / 1e9, 2),
                      "pct_peak": round(100 * tflops / PEAK_BF16_TFLOPS, 1)})  # fmt: skip
     return rows
+
+
+def save_best(rows: list[dict], expert_dtype: str, num_tokens: int, num_experts: int) -> dict:
+    """The fastest swept config into the current GPU's tuned table (the JSON file that
+    `launch_config` reads), for this weight format and regime; returns it."""
+    from k3kernels.moe import grouped_gemm_triton as G
+
+    swept = [r for r in rows if "{" in r["impl"] and "ms" in r]
+    if not swept:
+        raise ValueError("no swept config ran")
+    best = min(swept, key=lambda r: r["ms"])
+    cfg = json.loads(best["impl"].split(" ", 1)[1])
+    path = G.TUNED_DIR / (torch.cuda.get_device_name().replace(" ", "_") + ".json")
+    table = json.loads(path.read_text()) if path.exists() else {}
+    regime = "decode" if num_tokens <= 4 * num_experts else "prefill"
+    table.setdefault(expert_dtype, {})[regime] = cfg
+    path.write_text(json.dumps(table, indent=2) + "\n")
+    G.tuned_configs.cache_clear()
+    return cfg
+
+
+def sweep_configs(decode: bool) -> list[dict]:
+    """Launch configs of the Triton grouped GEMMs that `--sweep` times."""
+    if decode:
+        grid = itertools.product((16,), (32, 64, 128), (64, 128, 256), (2, 4), (2, 3, 4))
+    else:
+        grid = itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
+    keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+    return [dict(zip(keys, values)) for values in grid]
 
 
 def _loop_experts(x_TD, w13, w2, ids_Tk, weights_Tk, *, act, beta, linear_beta):

@@ -236,17 +236,26 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, prof
 @click.option("--repeats", default=10, show_default=True, type=int)
 @click.option("--expert-dtype", type=click.Choice(["bf16", "mxfp4"]), default="bf16",
               show_default=True, help="mxfp4: also the packed experts through the W4A16 kernel.")
+@click.option("--sweep", is_flag=True,
+              help="Also time the Triton GEMM of this format over launch configs.")
+@click.option("--save-tuned", is_flag=True,
+              help="With --sweep: write the fastest into this GPU's tuned table.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
-def bench_moe(flavor, tokens, layers, repeats, expert_dtype, json_path):
+def bench_moe(flavor, tokens, layers, repeats, expert_dtype, sweep, save_tuned, json_path):
     """Routed experts alone (CUDA): TFLOP/s, % of the bf16 GEMM peak, TB/s on expert bytes."""
-    from k3batch.bench_moe import format_moe_table, moe_throughput
+    from k3batch.bench_moe import format_moe_table, moe_throughput, save_best
+    from k3batch.model import get_flavor
 
     try:
         rows = moe_throughput(flavor, num_tokens=tokens, num_layers=layers, repeats=repeats,
-                              expert_dtype=expert_dtype)  # fmt: skip
+                              expert_dtype=expert_dtype, sweep=sweep)  # fmt: skip
+        click.echo(format_moe_table(rows))
+        if sweep and save_tuned:
+            experts = get_flavor(flavor).num_experts
+            cfg = save_best(rows, expert_dtype, tokens, experts)
+            click.echo(f"tuned table <- {expert_dtype} at {tokens} tokens: {cfg}")
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    click.echo(format_moe_table(rows))
     _append_jsonl(json_path, rows)
 
 
@@ -306,12 +315,30 @@ def bench_comm(flavor, gpus, p2p_gbps, busbw_gbps):
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def bench_mla_decode(batch, context_len, heads, page_size, sweep, json_path):
     """Paged MLA decode kernel: bandwidth on the latent bytes read vs the copy bandwidth."""
-    from k3batch.bench_mla import format_result, run_mla_decode_bench
+    from k3batch.bench_kernels import format_result, run_mla_decode_bench
 
     r = run_mla_decode_bench(batch=batch, context_len=context_len, heads=heads,
                              page_size=page_size, sweep=sweep,
                              on_row=lambda row: click.echo(json.dumps(row)))  # fmt: skip
     click.echo(format_result("mla-decode", r))
+    _append_jsonl(json_path, [r])
+
+
+@bench.command("kda-decode")
+@click.option("--batch", default=64, show_default=True, type=int)
+@click.option("--heads", default=96, show_default=True, type=int, help="KDA heads (96: K3).")
+@click.option("--sweep", is_flag=True, help="Time the launch configurations; report the best.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def bench_kda_decode(batch, heads, sweep, json_path):
+    """In-place KDA decode step: bandwidth on the fp32 states read and written vs the copy
+    bandwidth (fla's recurrent kernel beside it)."""
+    from k3batch.bench_kernels import format_result, run_kda_decode_bench
+
+    r = run_kda_decode_bench(batch=batch, heads=heads, sweep=sweep,
+                             on_row=lambda row: click.echo(json.dumps(row)))  # fmt: skip
+    click.echo(format_result("kda-decode", r))
+    click.echo(f"kda-decode: fla     {r['fla']['ms']:.3f} ms, {r['fla']['tbps']:.2f} TB/s "
+               f"({r['fla_fraction_of_copy']:.0%})")  # fmt: skip
     _append_jsonl(json_path, [r])
 
 
@@ -323,7 +350,7 @@ def bench_mla_decode(batch, context_len, heads, page_size, sweep, json_path):
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def bench_mla_prefill(seq_lens, cached_lens, heads, sweep, json_path):
     """MLA prefill flash kernel: useful TFLOP/s vs the bf16 GEMM peak."""
-    from k3batch.bench_mla import format_result, run_mla_prefill_bench
+    from k3batch.bench_kernels import format_result, run_mla_prefill_bench
 
     lens = [int(n) for n in seq_lens.split(",")]
     cached = [int(n) for n in cached_lens.split(",")] if cached_lens else None

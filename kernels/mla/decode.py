@@ -103,13 +103,13 @@ def mla_decode_kernel(
     tl.store(lse_ptr + split * stride_lm + b * stride_lb + heads, lse, mask=h_ok)
 
 
-# Launch settings. MEASURED ran on one H200 (torch 2.11, triton 3.6) at batch 64 x 8K, H=96,
-# one split: 1.94 ms, 0.31 TB/s on the latent bytes (7% of the copy bandwidth); each of the
-# H / 16 head blocks streams every latent row again (6x the bytes through L2) and 384
-# programs make 1.5 waves. `launch_config` therefore takes 32 heads per program above 16
-# heads (half the L2 traffic, 8 warps for the [32, L] fp32 accumulator) and `num_splits_for`
-# fills ~4 waves; that choice is NOT measured yet (`k3batch bench mla-decode --sweep`).
-# A launch the device refuses (out of resources) falls back to MEASURED.
+# Launch settings, measured on one H200 (torch 2.11, triton 3.6) at batch 64 x 8K, H = 96
+# (`k3batch bench mla-decode --sweep`, 72 configs): 64 heads, 64 tokens, 8 warps, 3 stages and
+# 3 splits: 0.72 ms, 0.84 TB/s on the latent bytes (20% of the copy bandwidth; 16 heads per
+# program: 1.94 ms, 32: 1.68 ms). At 96 heads the step is at the H200's ridge point (~180
+# FLOP per latent byte), so the tensor cores, not the bandwidth, bound it: ~200 TFLOP/s here.
+# MEASURED is the small-head setting (TP / DCP ranks with <= 16 heads); a default launch the
+# device refuses (out of resources) falls back to it.
 MEASURED = dict(block_h=16, block_n=32, num_warps=4, num_stages=2)
 
 
@@ -117,7 +117,7 @@ def launch_config(num_heads: int) -> dict:
     """{block_h, block_n, num_warps, num_stages} for num_heads query heads per sequence."""
     if num_heads <= 16:  # TP / DCP ranks: one head block
         return dict(MEASURED)
-    return dict(block_h=32, block_n=32, num_warps=8, num_stages=2)
+    return dict(block_h=64, block_n=64, num_warps=8, num_stages=3)
 
 
 def _precision(dtype) -> str:
@@ -134,11 +134,12 @@ def num_splits_for(
     max_splits: int = 16,
     min_tokens: int = 256,
 ) -> int:
-    """Splits per sequence so that the grid holds about four programs per SM (load balance
-    across waves; the merge costs 2 x splits x B x H x L x 4 bytes), each split keeping at
-    least min_tokens tokens. Host-side integers only (no device sync: graph-safe)."""
+    """Splits per sequence so that the grid holds about two programs per SM (one resident at
+    a time; the merge costs 2 x splits x B x H x L x 4 bytes; at 64 x 8K, 3 splits measured
+    faster than 6), each split keeping at least min_tokens tokens. Host-side integers only
+    (no device sync: graph-safe)."""
     programs = num_seqs * triton.cdiv(num_heads, launch_config(num_heads)["block_h"])
-    want = triton.cdiv(4 * num_sms, max(programs, 1))
+    want = triton.cdiv(2 * num_sms, max(programs, 1))
     return max(1, min(want, max_splits, triton.cdiv(max_len, min_tokens)))
 
 
@@ -181,15 +182,15 @@ def mla_decode(
         part = torch.empty(M, B, H, L, device=dev, dtype=torch.float32)
     lse = torch.empty(M, B, H, device=dev, dtype=torch.float32)
     if B:
-        cfg = config or launch_config(H)
         args = (q_BHC, pool_PNC, page_rows_BP, seq_lens_B, part, lse, H, L, R, M,
                 scale * 1.4426950408889634)  # fmt: skip
-        try:
-            _launch(*args, **cfg)
-        except OutOfResources:
-            if cfg == MEASURED:
-                raise
-            _launch(*args, **MEASURED)
+        if config is not None:  # as asked (a sweep must see the refusal)
+            _launch(*args, **config)
+        else:
+            try:
+                _launch(*args, **launch_config(H))
+            except OutOfResources:
+                _launch(*args, **MEASURED)
     if M == 1:
         return part[0], lse[0]
     return merge_lse(part, lse, out_dtype=out_dtype)

@@ -14,7 +14,10 @@ Measured on one H200 at k3-slice prefill (64-row tiles): 30% of the bf16 peak ag
 Shape legend: M sorted rows, K input width, N output width, E experts.
 """
 
+import functools
+import json
 import os
+from pathlib import Path
 
 import torch
 import triton
@@ -78,12 +81,30 @@ def grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, offs_ptr, tile_expert_ptr, tile_r
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def launch_config(num_rows: int, num_experts: int) -> dict:
+DEFAULT_CONFIGS = {
+    "decode": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4),
+    "prefill": dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
+}
+TUNED_DIR = Path(__file__).with_name("tuned")  # one JSON per GPU name: {weights: {regime: cfg}}
+
+
+@functools.cache
+def tuned_configs(device_name: str) -> dict:
+    """The tuned table of a GPU (`tuned/<name>.json`, spaces as underscores), or {}."""
+    path = TUNED_DIR / (device_name.replace(" ", "_") + ".json")
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def launch_config(num_rows: int, num_experts: int, weights: str = "bf16") -> dict:
     """Tiles by the mean rows per expert (host integers): decode (a few rows per expert, the
-    weights streamed once, memory bound) takes 16-row tiles and long K steps; prefill 64."""
-    if num_rows <= 4 * num_experts:
-        return dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
-    return dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+    weights streamed once, memory bound) takes 16-row tiles and long K steps; prefill larger
+    tiles. The current GPU's tuned table (`k3batch bench moe --sweep` measures one) overrides
+    the defaults; weights: "bf16" or "mxfp4"."""
+    regime = "decode" if num_rows <= 4 * num_experts else "prefill"
+    tuned = {}
+    if not _INTERPRETED and torch.cuda.is_available():
+        tuned = tuned_configs(torch.cuda.get_device_name()).get(weights, {}).get(regime, {})
+    return DEFAULT_CONFIGS[regime] | tuned
 
 
 def grouped_mm_triton(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,

@@ -40,10 +40,62 @@ def _e2m1_times_scale(code, scale_bits):
 
 
 @triton.jit
+def _e2m1_pairs_bf16(q, scale):
+    """bf16 values of the low and high nibbles of bytes q (uint8) times scale (bf16, one per
+    byte), in PTX on packed bf16 pairs (sm_90): a byte pair is spread into the two halves of a
+    register (prmt); each nibble's sign and exponent-mantissa bits are shifted into place as a
+    bf16 bit pattern v whose value is code * 2^-126 (exact: small codes land on subnormals,
+    which bf16 arithmetic keeps), then v * 2^126 * scale. 13 instructions per 4 values, against
+    ~12 per value for the integer path of `_e2m1_times_scale`."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t, a, b, m_em, m_sign, m_em_hi, two126;
+        mov.b32 m_em, 0x01C001C0;
+        mov.b32 m_sign, 0x80008000;
+        mov.b32 two126, 0x7E807E80;
+        prmt.b32 t, $4, 0, 0x4140;
+        shl.b32 a, t, 6;
+        shl.b32 b, t, 12;
+        and.b32 b, b, m_sign;
+        lop3.b32 a, a, m_em, b, 0xEA;
+        mul.rn.bf16x2 a, a, two126;
+        mul.rn.bf16x2 $0, a, $5;
+        shl.b32 a, t, 2;
+        shl.b32 b, t, 8;
+        and.b32 b, b, m_sign;
+        lop3.b32 a, a, m_em, b, 0xEA;
+        mul.rn.bf16x2 a, a, two126;
+        mul.rn.bf16x2 $2, a, $5;
+        prmt.b32 t, $4, 0, 0x4342;
+        shl.b32 a, t, 6;
+        shl.b32 b, t, 12;
+        and.b32 b, b, m_sign;
+        lop3.b32 a, a, m_em, b, 0xEA;
+        mul.rn.bf16x2 a, a, two126;
+        mul.rn.bf16x2 $1, a, $6;
+        shl.b32 a, t, 2;
+        shl.b32 b, t, 8;
+        and.b32 b, b, m_sign;
+        lop3.b32 a, a, m_em, b, 0xEA;
+        mul.rn.bf16x2 a, a, two126;
+        mul.rn.bf16x2 $3, a, $6;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r,r",
+        args=[q, scale],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
 def w4a16_grouped_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
                          N, K, stride_x, stride_qe, stride_qn, stride_se, stride_sn, stride_out, E,
                          GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+                         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                         PTX: tl.constexpr):  # fmt: skip
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < E:
@@ -60,12 +112,22 @@ def w4a16_grouped_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, tile_expert_ptr
             # k0/2 + jj, scale groups k0/GROUP + jj/(GROUP/2), inputs k0 + kk.
             byte_ok = k0 // 2 + jj < K // 2
             wmask = byte_ok[:, None] & col_ok[None, :]
-            q = tl.load(q_base + (k0 // 2 + jj)[:, None], mask=wmask, other=0).to(tl.int32)
-            s = tl.load(s_base + (k0 // GROUP + jj // (GROUP // 2))[:, None], mask=wmask,
-                        other=127).to(tl.int32)  # fmt: skip
-            scale_bits = tl.where(s > 0, s << 23, 1 << 22)  # 2^(s - 127); s = 0: subnormal
-            w_even = _e2m1_times_scale(q & 15, scale_bits)  # [BLOCK_K / 2, BLOCK_N]
-            w_odd = _e2m1_times_scale(q >> 4, scale_bits)
+            q = tl.load(q_base + (k0 // 2 + jj)[:, None], mask=wmask, other=0)
+            if PTX:  # bf16 activations on the GPU: one scale row per group, spread over its bytes
+                gg = tl.arange(0, BLOCK_K // GROUP)
+                g_ok = (k0 // GROUP + gg < tl.cdiv(K, GROUP))[:, None] & col_ok[None, :]
+                s = tl.load(s_base + (k0 // GROUP + gg)[:, None], mask=g_ok, other=127)
+                s = s.to(tl.int16)
+                s = tl.where(s > 0, s << 7, 64).to(tl.bfloat16, bitcast=True)  # 2^(s - 127)
+                s = tl.broadcast_to(s[:, None, :], [BLOCK_K // GROUP, GROUP // 2, BLOCK_N])
+                w_even, w_odd = _e2m1_pairs_bf16(q, tl.reshape(s, [BLOCK_K // 2, BLOCK_N]))
+            else:
+                q = q.to(tl.int32)
+                s = tl.load(s_base + (k0 // GROUP + jj // (GROUP // 2))[:, None], mask=wmask,
+                            other=127).to(tl.int32)  # fmt: skip
+                scale_bits = tl.where(s > 0, s << 23, 1 << 22)  # 2^(s - 127); s = 0: subnormal
+                w_even = _e2m1_times_scale(q & 15, scale_bits)  # [BLOCK_K / 2, BLOCK_N]
+                w_odd = _e2m1_times_scale(q >> 4, scale_bits)
             xmask = row_ok[:, None] & (k0 + kk < K)[None, :]
             x = tl.load(x_rows + (k0 + kk)[None, :], mask=xmask, other=0.0)  # [BLOCK_M, BLOCK_K]
             x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
@@ -92,7 +154,7 @@ def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
     if w.packed.stride(-1) != 1 or w.scale.stride(-1) != 1:
         raise ValueError("MXFP4 packed values and scales need unit last strides")
     M = x_MK.shape[0]
-    cfg = launch_config(M, E) | config
+    cfg = launch_config(M, E, "mxfp4") | config
     if cfg["block_k"] % GROUP_SIZE:
         raise ValueError(f"block_k = {cfg['block_k']} must be a multiple of {GROUP_SIZE}")
     out = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
@@ -105,6 +167,7 @@ def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
         w.packed.stride(0), w.packed.stride(1), w.scale.stride(0), w.scale.stride(1),
         out.stride(0), E, GROUP=GROUP_SIZE, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
         BLOCK_K=cfg["block_k"], UPCAST=_INTERPRETED and x_MK.dtype != torch.float32,
+        PTX=not _INTERPRETED and x_MK.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out

@@ -4,7 +4,8 @@ each sequence's KDA block through block indices, against the out-of-place refere
 Pools are strided views of an arena-like buffer (several layers per block), unused blocks are
 poisoned with 1e30 and must be bit-identical afterwards. The Triton conv kernel runs on CPU
 through the interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU), and on CUDA
-when there is one; fla's in-place recurrent step needs CUDA (`gpu` marker).
+when there is one; so does the recurrent step (`recurrent_decode`), at K3 shapes on the GPU
+(`gpu` marker).
 """
 
 import pytest
@@ -79,34 +80,47 @@ def test_reference_decode_in_place_matches_out_of_place():
     assert (state[others] == POISON).all()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("H,K,N", [(2, 16, 3), (96, 128, 64)], ids=["H2-K16-N3", "H96-K128-N64"])
-@pytest.mark.parametrize("dt", ["bf16", "fp32"])
-def test_fla_decode_in_place_matches_reference(H, K, N, dt):
-    from k3kernels.kda import fla
+def _decode_case(H, K, N, dtype, lower_bound, block_v, device):
+    """Our in-place recurrent step against the out-of-place fp32 reference."""
+    from k3kernels.kda.recurrent_decode import kda_decode_
 
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dt]
     g = torch.Generator().manual_seed(H + N)
     NB = N + 5
-    _, state, _, _ = _pools(NB, H, K, 4, 4, torch.float32, g)
-    slots = torch.randperm(NB, generator=g)[:N].cuda()
+    _, state, _, _ = _pools(NB, H, K, 4, 4, torch.float32, g, device=device)
+    slots = torch.randperm(NB, generator=g)[:N].to(device)
     for s in slots.tolist():
-        state[s] = (torch.randn(H, K, K, generator=g) * 0.5).cuda()
-    q, k, v, f = (torch.randn(N, H, K, generator=g).to("cuda", dtype) for _ in range(4))
-    b = torch.randn(N, H, generator=g).cuda()
-    A_log = torch.rand(H, generator=g).mul(15).add(1).log().cuda()
-    dt_bias = (torch.randn(H * K, generator=g) * 0.5 - 1.0).cuda()
+        state[s] = (torch.randn(H, K, K, generator=g) * 0.5).to(device)
+    q, k, v, f = (torch.randn(N, H, K, generator=g).to(device, dtype) for _ in range(4))
+    b = torch.randn(N, H, generator=g).to(device)
+    A_log = torch.rand(H, generator=g).mul(15).add(1).log().to(device)
+    dt_bias = (torch.randn(H * K, generator=g) * 0.5 - 1.0).to(device)
     ref_pool = state.clone()
-    kw = dict(lower_bound=-5.0, scale=K**-0.5)
+    kw = dict(lower_bound=lower_bound, scale=K**-0.5)
     args = [t.float() for t in (q, k, v, f)] + [b, A_log, dt_bias]
     o_ref = R.kda_decode_(*args, state_pool=ref_pool, slots=slots, **kw)
-    o = fla.kda_decode_(q, k, v, f, b, A_log, dt_bias, state_pool=state, slots=slots, **kw)
+    o = kda_decode_(q, k, v, f, b, A_log, dt_bias, state_pool=state, slots=slots,
+                    block_v=block_v, **kw)  # fmt: skip
     assert_close("o_decode", o_ref, o.float(), rel_rms=TOLERANCES[("o_decode", dtype)][0])
     assert_close(
         "state_decode", ref_pool[slots], state[slots],
         rel_rms=TOLERANCES[("state_decode", dtype)][0],
     )
-    others = torch.ones(NB, dtype=torch.bool, device="cuda")
+    others = torch.ones(NB, dtype=torch.bool, device=device)
     others[slots] = False
     assert (state[others] == POISON).all(), "blocks outside the batch were written"
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded-gate", "softplus-gate"])
+@pytest.mark.parametrize("block_v", [8, 16], ids=["two-v-blocks", "one-v-block"])
+def test_decode_kernel_in_place_matches_reference(lower_bound, block_v):
+    _decode_case(2, 16, 3, torch.float32, lower_bound, block_v, DEV)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("block_v", [32, 128])
+@pytest.mark.parametrize("dt", ["bf16", "fp32"])
+def test_decode_kernel_in_place_matches_reference_gpu(dt, block_v):
+    """K3 shapes: 96 heads of 128, batch 64."""
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dt]
+    _decode_case(96, 128, 64, dtype, -5.0, block_v, "cuda")

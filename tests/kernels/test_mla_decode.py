@@ -45,7 +45,7 @@ CPU_CASES = [
     pytest.param([1, 6, 17, 9], 2, 1, id="B4-H2-ragged-split1"),
     pytest.param([1, 6, 17, 9], 2, 3, id="B4-H2-ragged-split3"),
     pytest.param([23, 2, 0], 5, 4, id="B3-H5-empty-seq-split4"),
-    pytest.param([3, 30], 20, 2, id="B2-H20-32-head-blocks-split2"),  # launch_config(H > 16)
+    pytest.param([3, 70], 20, 2, id="B2-H20-64-head-block-split2"),  # launch_config(H > 16)
 ]
 
 

@@ -1,10 +1,13 @@
-"""`k3batch bench mla-decode` / `mla-prefill`: the MLA kernels alone on one GPU.
+"""`k3batch bench mla-decode` / `mla-prefill` / `kda-decode`: attention kernels alone on one GPU.
 
 mla-decode: the paged absorbed decode kernel (split-K + merge) over B sequences of a fixed
 context, pages handed out in a shuffled order; reports the bandwidth on the latent bytes it
 reads (B * context * (L + R) * itemsize) against the H200's measured copy bandwidth.
 mla-prefill: the varlen flash prefill kernel (expanded form, causal, optional cached prefix);
 reports useful TFLOP/s (causal pairs only) against the measured bf16 GEMM peak.
+kda-decode: the in-place recurrent KDA step over B sequences (K3 heads), states in shuffled
+arena blocks; reports the bandwidth on the state bytes (read and written, fp32) against the
+copy bandwidth, and fla's recurrent kernel on the same inputs for comparison.
 Times are medians of `triton.testing.do_bench` (L2 flushed between runs). `sweep=True` times
 each launch configuration too (after the default; `on_row` gets each row) and reports the best.
 """
@@ -79,8 +82,8 @@ def run_mla_decode_bench(*, batch: int = 64, context_len: int = 8192, heads: int
     default_ms = time_cfg(base)
     tried = []
     if sweep:
-        splits = sorted({1, base["num_splits"], 2 * base["num_splits"]})
-        grid = itertools.product((16, 32, 64), (32, 64), (4, 8), (1, 2), splits)
+        splits = sorted({base["num_splits"], 2 * base["num_splits"]})
+        grid = itertools.product((32, 64), (16, 32, 64), (4, 8), (1, 2, 3), splits)
         configs = [dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, num_splits=m)
                    for bh, bn, nw, ns, m in grid]  # fmt: skip
         tried = _sweep(configs, time_cfg, lambda ms: {"tbps": nbytes / ms / 1e9}, on_row)
@@ -151,6 +154,65 @@ def run_mla_prefill_bench(*, seq_lens=(8192,), cached_lens=None, heads: int = 96
         "errors": [t for t in tried if "error" in t][:10],
         "peak_extra_bytes": peak_extra,
     }  # fmt: skip
+
+
+def run_kda_decode_bench(*, batch: int = 64, heads: int = 96, head_dim: int = 128,
+                         sweep: bool = False, on_row=None) -> dict:  # fmt: skip
+    from k3kernels.kda import recurrent_decode as K
+
+    N, H, D = batch, heads, head_dim
+    g = torch.Generator(device="cuda").manual_seed(0)
+    NB = 2 * N + 1
+    pool = torch.randn(NB, H, D, D, device="cuda", generator=g) * 0.1
+    slots = torch.randperm(NB, device="cuda", generator=g)[:N]
+    q, k, v, f = (torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+                  for _ in range(4))  # fmt: skip
+    b = torch.randn(N, H, device="cuda", generator=g)
+    A_log = torch.rand(H, device="cuda", generator=g).mul(15).add(1).log()
+    dt_bias = torch.randn(H * D, device="cuda", generator=g) * 0.5 - 1.0
+    args = (q, k, v, f, b, A_log, dt_bias)
+    kw = dict(lower_bound=-5.0, scale=D**-0.5, state_pool=pool, slots=slots)
+    nbytes = 2 * N * H * D * D * 4  # state read and written
+    base = dict(block_v=K.BLOCK_V, num_warps=K.NUM_WARPS)
+
+    def time_cfg(cfg):
+        return _median_ms(lambda: K.kda_decode_(*args, **kw, **cfg))
+
+    default_ms = time_cfg(base)
+    rate = lambda ms: {"tbps": nbytes / ms / 1e9}  # noqa: E731
+    tried = []
+    if sweep:
+        configs = [dict(block_v=bv, num_warps=nw)
+                   for bv, nw in itertools.product((32, 64, 128), (2, 4, 8, 16))]  # fmt: skip
+        tried = _sweep(configs, time_cfg, rate, on_row)
+    ok = [t for t in tried if "ms" in t]
+    best = min(ok, key=lambda t: t["ms"]) if ok else base | {"ms": default_ms}
+    fla_ms = _median_ms(lambda: _fla_recurrent_step(*args, **kw))
+    return {
+        "batch": N, "heads": H, "head_dim": D, "state_bytes": nbytes,
+        "default": base | {"ms": default_ms} | rate(default_ms),
+        "default_fraction_of_copy": rate(default_ms)["tbps"] / COPY_TBPS,
+        "best": best | rate(best["ms"]),
+        "fla": {"ms": fla_ms} | rate(fla_ms),
+        "fla_fraction_of_copy": rate(fla_ms)["tbps"] / COPY_TBPS,
+        "sweep": sorted(ok, key=lambda t: t["ms"])[:10],
+        "errors": [t for t in tried if "error" in t][:10],
+    }  # fmt: skip
+
+
+def _fla_recurrent_step(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, state_pool,
+                        slots):  # fmt: skip
+    """fla-core 0.6.0's recurrent KDA kernel in place (V in blocks of 32), for comparison."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    N, H, D = q.shape
+    return fused_recurrent_kda_fwd(
+        q=q.view(N, 1, H, D), k=k.view(N, 1, H, D), v=v.view(N, 1, H, D), g=f.view(N, 1, H, D),
+        beta=b.view(N, 1, H), A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        scale=scale, initial_state=state_pool, output_final_state=True,
+        inplace_final_state=True, ssm_state_indices=slots, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
 
 
 def format_result(name: str, r: dict) -> str:
