@@ -33,7 +33,7 @@ from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import GenerationResult, Phase, Request, SamplingParams, is_int
 from k3batch.engine.runner import LocalRunner
 from k3batch.engine.sampler import draw_seed, sample_batch
-from k3batch.model.forward_batch import ForwardBatch
+from k3batch.model.forward_batch import ForwardBatch, to_device
 
 log = logging.getLogger(__name__)
 
@@ -334,7 +334,7 @@ class Engine:
                     done.append(r)
                     last.append(cu[j + 1] - 1 if want_all else j)
         if done:
-            self._sample(done, logits[torch.tensor(last, device=logits.device)])
+            self._sample(done, logits[to_device(last, logits.device)])
 
     @contextlib.contextmanager
     def _failing_alone(self, req: Request):

@@ -17,6 +17,12 @@ from dataclasses import dataclass
 import torch
 
 
+def to_device(values: list[int], device) -> torch.Tensor:
+    """A host list of indices as a device int64 tensor, copied without waiting for the device
+    (`torch.tensor(values, device=...)` is a blocking copy: it drains the stream)."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
 @dataclass
 class ForwardBatch:
     seq_lens: list[int]  # new tokens of each sequence in this call

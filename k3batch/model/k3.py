@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from k3batch.model.attn_res import Stream, mix
-from k3batch.model.forward_batch import ForwardBatch
+from k3batch.model.forward_batch import ForwardBatch, to_device
 from k3batch.model.kda import KimiDeltaAttention
 from k3batch.model.layers import GatedMLP, RMSNorm, linear
 from k3batch.model.mla import KimiMLAAttention
@@ -152,7 +152,7 @@ class K3Model(nn.Module):
         stream = self.run_layers(self.embed(input_ids_T), batch, cache)
         h = self.final_hidden(stream)
         if not all_logits and batch.num_tokens != batch.num_seqs:
-            h = h[batch.last_token_idx]
+            h = h[to_device(batch.last_token_idx, h.device)]
         return self.lm_head(h)
 
     def forward(self, input_ids):

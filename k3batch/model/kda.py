@@ -7,6 +7,7 @@ Shape legend: T packed tokens, N sequences, D hidden, H heads, K = V head dim, C
 import torch
 from torch import nn
 
+from k3batch.model.forward_batch import to_device
 from k3batch.model.layers import RMSNorm, linear
 from k3batch.ops import kda as ops
 
@@ -131,8 +132,8 @@ class KimiDeltaAttention(nn.Module):
             return conv, state
         warm = [n for n, c in enumerate(batch.cached_lens) if c > 0]
         if warm:
-            idx = torch.tensor(warm, device=x_TD.device)
-            slots = torch.tensor([batch.slot_ids[n] for n in warm], device=x_TD.device)
+            idx = to_device(warm, x_TD.device)
+            slots = to_device([batch.slot_ids[n] for n in warm], x_TD.device)
             conv[idx] = cache.kda_conv[self.layer_idx][slots].to(conv.dtype)
             state[idx] = cache.kda_state[self.layer_idx][slots]
         return conv, state

@@ -107,7 +107,8 @@ def mla_decode_kernel(
 # (`k3batch bench mla-decode --sweep`, 72 configs): 64 heads, 64 tokens, 8 warps, 3 stages and
 # 3 splits: 0.72 ms, 0.84 TB/s on the latent bytes (20% of the copy bandwidth; 16 heads per
 # program: 1.94 ms, 32: 1.68 ms). At 96 heads the step is at the H200's ridge point (~180
-# FLOP per latent byte), so the tensor cores, not the bandwidth, bound it: ~200 TFLOP/s here.
+# FLOP per latent byte), so the tensor cores, not the bandwidth, bound it: 152 TFLOP/s of
+# useful work here (203 counting the padded heads of the second head block).
 # MEASURED is the small-head setting (TP / DCP ranks with <= 16 heads); a default launch the
 # device refuses (out of resources) falls back to it.
 MEASURED = dict(block_h=16, block_n=32, num_warps=4, num_stages=2)
