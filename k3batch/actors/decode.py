@@ -26,6 +26,7 @@ from k3batch.actors.placement import (
 )
 from k3batch.cache.paged import PagedCache
 from k3batch.engine.config import EngineConfig
+from k3batch.engine.graphs import DecodeGraphs
 from k3batch.engine.runner import arena_bytes
 from k3batch.model.config import K3Config
 from k3batch.model.forward_batch import ForwardBatch
@@ -51,6 +52,7 @@ class DecodeRankActor:
         self.config = K3Config.from_hf(model_dir)
         self.handoff_bytes = 0
         self.num_handoffs = 0
+        self.static_steps = 0  # decode steps run on the static buffers (graphs on CUDA)
         self.broken: str | None = None  # why a handed-off request is missing: forward refuses
 
     def endpoint(self) -> tuple[str, int]:
@@ -81,6 +83,10 @@ class DecodeRankActor:
         self.cache = PagedCache(
             layout, total, device=self.device, dtype=self.dtype, dcp_size=self.layout.dcp_size
         )
+        # Decode steps run on static buffers (the same path as the single-device engine's
+        # graphs), replayed as CUDA graphs on GPUs; every rank captures here at once.
+        capture = self.device.type == "cuda" and cfg.cuda_graphs
+        self.graphs = DecodeGraphs.build(self.model, self.cache, cfg, capture=capture)
 
     def cache_spec(self):
         return self.cache.spec
@@ -114,10 +120,13 @@ class DecodeRankActor:
         full-vocabulary logits (fp32, CPU)."""
         if self.broken:
             raise RuntimeError(f"decode rank {self.tp_rank}: {self.broken}")
-        x = torch.tensor(ids, dtype=torch.long, device=self.device)
-        logits = self.model.forward_batch(
-            x, ForwardBatch(**meta), self.cache, all_logits=all_logits
-        )
+        batch = ForwardBatch(**meta)
+        if DecodeGraphs.serves(batch, all_logits):
+            logits = self.graphs.run(ids, batch)
+            self.static_steps += 1
+        else:
+            x = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+            logits = self.model.forward_batch(x, batch, self.cache, all_logits=all_logits)
         return logits.float().cpu() if self.tp_rank == 0 else None
 
     def request_tensors(self, block: int, pages: list[int], num_local_tokens: int) -> dict:
@@ -130,6 +139,8 @@ class DecodeRankActor:
             "rank": self.tp_rank,
             "handoff_bytes": self.handoff_bytes,
             "handoffs": self.num_handoffs,
+            "static_steps": self.static_steps,
+            "graphs": len(self.graphs.graphs),
         }
 
     def shutdown(self) -> None:
@@ -212,6 +223,8 @@ class DecodeGroupRunner:
         return {
             "handoff_bytes_per_rank": [s["handoff_bytes"] for s in ranks],
             "handoffs": ranks[0]["handoffs"],
+            "static_steps": ranks[0]["static_steps"],
+            "graphs_per_rank": [s["graphs"] for s in ranks],
         }
 
     def shutdown(self) -> None:

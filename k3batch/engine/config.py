@@ -20,7 +20,7 @@ class EngineConfig:
     cache_bytes: int = 0  # arena bytes per device; 0: memory_fraction on a GPU when set,
     # else room for max_num_seqs requests of max_seq_len tokens
     memory_fraction: float = 0.0  # of a GPU's memory for weights + cache (0: unset)
-    cuda_graphs: bool = True  # replay the decode step as CUDA graphs (single device, CUDA)
+    cuda_graphs: bool = True  # replay the decode step as CUDA graphs (CUDA: one device, TP ranks)
 
     def validate(self) -> "EngineConfig":
         for name in ("max_num_seqs", "max_seq_len", "chunk_size", "max_batch_tokens", "page_size"):

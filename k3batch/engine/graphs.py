@@ -6,7 +6,9 @@ for `max_batch` sequences; a step writes them into a pinned host copy of that bu
 it with ONE host-to-device copy, then replays the graph of its bucket, whose kernels read those
 offsets. The engine pads decode batches to a bucket (powers of two, capped at `max_batch`)
 with rows in a scratch block and page (`Engine`, `pads_decode`), so a step always hits a
-captured shape; a batch that is not a bucket runs eagerly on the same buffers.
+captured shape; a batch that is not a bucket runs eagerly on the same buffers. The
+single-device runner and every rank of a TP/DCP decode group use it (a rank's graphs hold its
+collectives; on CPU the ranks run the same static buffers without graphs).
 
 Capture (`capture()`, once, before any request holds the cache): every bucket runs twice
 eagerly first (Triton compiles and fla autotunes there, never inside a capture), then the
@@ -45,6 +47,21 @@ class DecodeGraphs:
         self._tables: list[list[int]] = [[] for _ in range(B)]  # page tables staged per row
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def build(cls, model, cache, config, *, capture: bool) -> "DecodeGraphs":
+        """Static buffers for `config.max_num_seqs` x `config.max_seq_len`, the graphs captured
+        when `capture` (CUDA; on a TP/DCP rank every rank captures at once: the collectives
+        of the step are captured with it)."""
+        graphs = cls(model, cache, max_batch=config.max_num_seqs, max_seq_len=config.max_seq_len)
+        if capture:
+            graphs.capture()
+        return graphs
+
+    @staticmethod
+    def serves(batch: ForwardBatch, all_logits: bool) -> bool:
+        """A plain decode step (no per-token logits, no pinned or recorded routes)."""
+        return batch.is_decode and not (all_logits or batch.pinned_routes or batch.routes_out)
 
     @property
     def buckets(self) -> list[int]:

@@ -63,11 +63,7 @@ class LocalRunner:
         self.cache = PagedCache(layout, total, device=p.device, dtype=p.dtype)
         self.graphs = None
         if self.pads_decode:
-            self.graphs = DecodeGraphs(
-                model, self.cache, max_batch=config.max_num_seqs, max_seq_len=config.max_seq_len
-            )
-            if use_graphs:
-                self.graphs.capture()
+            self.graphs = DecodeGraphs.build(model, self.cache, config, capture=use_graphs)
         self.eager = False  # set: every forward eager (hooks on modules run; graphs skip them)
 
     def cache_specs(self) -> list:
@@ -79,8 +75,7 @@ class LocalRunner:
 
     @torch.inference_mode()
     def submit(self, ids: list[int], batch: ForwardBatch, all_logits: bool):
-        static = batch.is_decode and not (all_logits or batch.pinned_routes or batch.routes_out)
-        if self.graphs is not None and static and not self.eager:
+        if self.graphs is not None and DecodeGraphs.serves(batch, all_logits) and not self.eager:
             return self.graphs.run(ids, batch)
         x = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         return self.model.forward_batch(x, batch, self.cache, all_logits=all_logits)

@@ -56,6 +56,8 @@ def test_disaggregated_engine_matches_one_device(cluster, checkpoint, pp, tp, dc
         assert set(sizes) <= {1, 2, 4} and 4 in sizes  # 3 requests padded to a bucket of 4
         stats = decode.stats()
         assert stats["handoffs"] == len(prompts) and min(stats["handoff_bytes_per_rank"]) > 0
+        # every decode step ran on the ranks' static buffers (the path graphs replay on GPUs)
+        assert stats["static_steps"] == len(sizes) > 0 and stats["graphs_per_rank"] == [0] * tp
     finally:
         prefill.shutdown()
         decode.shutdown()
