@@ -259,6 +259,34 @@ def bench_moe(flavor, tokens, layers, repeats, expert_dtype, sweep, save_tuned, 
     _append_jsonl(json_path, rows)
 
 
+@bench.command("job")
+@click.option("--flavor", default="k3-slice", show_default=True)
+@click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
+              help="Checkpoint (default: a random one of the flavor written under --work-dir).")
+@click.option("--work-dir", default="out/bench-job", show_default=True,
+              type=click.Path(file_okay=False))
+@click.option("--num-prompts", default=1024, show_default=True, type=int)
+@click.option("--input-len", default=1024, show_default=True, type=int)
+@click.option("--output-len", default=256, show_default=True, type=int)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--replicas", "num_replicas", default=1, show_default=True, type=int)
+@click.option("--max-num-seqs", default=64, show_default=True, type=int)
+@click.option("--no-engine", is_flag=True, help="Skip the engine-alone run.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def bench_job(flavor, model_dir, work_dir, num_prompts, input_len, output_len, device,
+              num_replicas, max_num_seqs, no_engine, json_path):  # fmt: skip
+    """The batch job on random-token prompts: rows/s, tokens/s, and against the engine alone."""
+    from k3batch.bench_job import format_job_bench, run_job_bench
+
+    row = run_job_bench(flavor, work_dir, num_prompts=num_prompts, input_len=input_len,
+                        output_len=output_len, device=device, model_dir=model_dir,
+                        num_replicas=num_replicas, max_num_seqs=max_num_seqs,
+                        engine_alone=not no_engine)  # fmt: skip
+    click.echo(json.dumps(row))
+    click.echo(format_job_bench(row))
+    _append_jsonl(json_path, [row])
+
+
 @bench.command("layouts")
 @click.option("--flavor", default="k3-slice", show_default=True)
 @click.option("--gpus", default=8, show_default=True, type=int, help="Devices of this host.")
