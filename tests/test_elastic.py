@@ -30,7 +30,8 @@ from k3batch.driver import run_job
 from k3batch.driver.bench_elastic import format_timeline, run_elastic
 from k3batch.driver.fake import FakeReplica
 from k3batch.engine.request import SamplingParams
-from k3batch.jobspec import EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaSpec
+from k3batch.jobspec import EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaRange
+from k3batch.jobspec import ReplicaSpec
 from k3batch.model.weights import init_checkpoint
 
 GPU_NODE = {"num_cpus": 2, "num_gpus": 1, "resources": {"accelerator_type:SIM": 1}}
@@ -120,7 +121,8 @@ def test_elastic_job_scales_from_zero_nodes_to_max_and_back(tmp_path):
 def test_two_replicas_never_deadlock_on_room_for_one_and_a_half(fixed_cluster, model_dir,
                                                                 tmp_path):  # fmt: skip
     fixed_cluster.add_node(num_cpus=8, num_gpus=4, resources={"accelerator_type:SIM": 1})
-    spec = _job(model_dir, tmp_path, 24, num_replicas=2, tp=2, wait_timeout_s=60)
+    spec = _job(model_dir, tmp_path, 24, num_replicas=ReplicaRange(min=1, max=2), tp=2,
+                wait_timeout_s=60)
     free_gpus, stop = [], threading.Event()
 
     def sample():
@@ -161,5 +163,9 @@ def test_node_removed_mid_job_completes_exactly_once(fixed_cluster, model_dir, t
     killer.join()
     assert removed, "the job ended before the node was removed"
     _exactly_once(tmp_path / "out", n)
-    assert report.replica_moves == {"lost": 1} and report.rows_moved > 0, report.to_dict()
+    # Ray's first word on a node that vanished is a broken connection ("unavailable"), or the
+    # node's death itself ("lost"), depending on timing
+    assert set(report.replica_moves) <= {"lost", "unavailable"} and report.rows_moved > 0, (
+        report.to_dict()
+    )
     assert report.is_complete and report.rows_with_error == 0

@@ -121,10 +121,15 @@ class Health:
 def node_loss(err: Exception) -> str | None:
     """Why a replica's node went away, as Ray reports it: "preempted" (the node was drained for
     preemption), "drained" (it ended as expected: drained, scaled down), "lost" (it died
-    unexpectedly); None when the failure is the replica's own. Rows lost this way are retried
+    unexpectedly), "unavailable" (the connection to it broke); None when the failure is the
+    replica's own. Rows lost this way are retried
     without counting against `replicas.max_retries`."""
     if not isinstance(err, ray.exceptions.RayActorError):
         return None
+    if isinstance(err, ray.exceptions.ActorUnavailableError):
+        # What a node that just went away looks like first (connection reset), before Ray
+        # knows why; Ray says the rows "may or may not have been executed": not their fault.
+        return "unavailable"
     if err.preempted:
         return "preempted"
     text = str(err)
