@@ -77,6 +77,17 @@ def generate(
         click.echo(text)
 
 
+def replica_count(text: str):
+    """--replicas: "4" (fixed) or "1-4" (elastic, min-max)."""
+    from k3batch.jobspec import ReplicaRange
+
+    low, sep, high = str(text).partition("-")
+    try:
+        return ReplicaRange(min=int(low), max=int(high)) if sep else int(low)
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected N or MIN-MAX, e.g. 4 or 1-4") from None
+
+
 _RUN_FLAGS = [
     # (flag, dotted field, type, help)
     ("--model", "model", str, "Checkpoint directory (official HF layout)."),
@@ -90,7 +101,7 @@ _RUN_FLAGS = [
     ("--top-p", "sampling.top_p", float, None),
     ("--top-k", "sampling.top_k", int, None),
     ("--seed", "sampling.seed", int, None),
-    ("--replicas", "replicas.num_replicas", int, "Number of model replicas."),
+    ("--replicas", "replicas.num_replicas", replica_count, "Replicas: N, or MIN-MAX (elastic)."),
     ("--pp", "replicas.pp", int, "Pipeline-parallel prefill stages per replica."),
     ("--tp", "replicas.tp", int, "Tensor-parallel decode ranks per replica."),
     ("--dcp", "replicas.dcp", int, "Decode context parallelism for the MLA latent."),

@@ -13,8 +13,8 @@ accepted where a float is expected, a list where a tuple is.
     [input]   path, batch_rows, id_column, prompt_column, messages_column, token_ids_column
     [output]  path, logprobs, prompt_logprobs
     [sampling] temperature, top_p, top_k, seed, max_new_tokens, stop_token_ids, ignore_eos
-    [replicas] num_replicas, pp, pp_layers, tp, dcp, device, num_gpus, accelerator_type,
-               max_inflight_rows, max_retries, wait_timeout_s
+    [replicas] num_replicas (N or {min, max}), pp, pp_layers, tp, dcp, device, num_gpus,
+               accelerator_type, gpus_per_node, max_inflight_rows, max_retries, wait_timeout_s
     [engine]  max_num_seqs, max_seq_len, chunk_size, max_batch_tokens, page_size, memory_pool,
               prefix_cache, cache_bytes, memory_fraction
 """
@@ -60,18 +60,51 @@ class OutputSpec:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaRange:
+    """An elastic replica count: the job starts with `min` replicas up and grows to `max` as
+    resources appear (TOML: `num_replicas = {min = 1, max = 8}`)."""
+
+    min: int
+    max: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ReplicaSpec:
-    num_replicas: int = 1
+    num_replicas: int | ReplicaRange = 1  # a fixed count, or {min, max}: elastic
     pp: int = 1  # pipeline-parallel prefill stages
     pp_layers: tuple[int, ...] | None = None  # layers per stage; default: whole AttnRes blocks
     tp: int = 1  # tensor-parallel decode ranks
     dcp: int = 1  # decode context parallelism for the MLA latent
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda if the cluster has GPUs
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda iff the spec asks for GPUs
     num_gpus: float | None = None  # per replica; default pp * tp on cuda
     accelerator_type: str | None = None  # e.g. "H200": lets the autoscaler pick node types
+    gpus_per_node: int = 8  # of the GPU nodes: a replica needing more spans nodes (PACK)
     max_inflight_rows: int = 64  # rows dispatched to one replica and not yet returned
     max_retries: int = 3  # per unit of rows lost to a replica failure
     wait_timeout_s: float = 600.0  # for resources, replicas to come up, a replica to come back
+
+    def __post_init__(self):
+        if isinstance(self.num_replicas, dict):  # from a checked spec dict
+            object.__setattr__(self, "num_replicas", ReplicaRange(**self.num_replicas))
+
+    @property
+    def min_replicas(self) -> int:
+        n = self.num_replicas
+        return n.min if isinstance(n, ReplicaRange) else n
+
+    @property
+    def max_replicas(self) -> int:
+        n = self.num_replicas
+        return n.max if isinstance(n, ReplicaRange) else n
+
+    @property
+    def resolved_device(self) -> str:
+        """The device from the spec alone, never from the GPUs the cluster has now (a cluster
+        scaled to zero has none): "auto" is "cuda" when the job asks for GPUs (an
+        `accelerator_type`, or `num_gpus` > 0), else "cpu"."""
+        if self.device != "auto":
+            return self.device
+        return "cuda" if self.accelerator_type or (self.num_gpus or 0) > 0 else "cpu"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -101,9 +134,19 @@ class JobSpec:
         _prefixed("sampling", self.sampling.validate)
         _prefixed("engine", self.engine.validate)
         r = self.replicas
-        for name in ("num_replicas", "pp", "tp", "dcp", "max_inflight_rows"):
+        for name in ("min_replicas", "max_replicas", "pp", "tp", "dcp", "max_inflight_rows",
+                     "gpus_per_node"):  # fmt: skip
             if getattr(r, name) < 1:
                 raise ValueError(f"replicas.{name} = {getattr(r, name)} must be >= 1")
+        if r.min_replicas > r.max_replicas:
+            raise ValueError(
+                f"replicas.num_replicas: min = {r.min_replicas} > max = {r.max_replicas}"
+            )
+        if r.device == "cpu" and (r.accelerator_type or (r.num_gpus or 0) > 0):
+            raise ValueError(
+                f"replicas.device = 'cpu' with accelerator_type = {r.accelerator_type!r}, "
+                f"num_gpus = {r.num_gpus}: a CPU job asks for no GPUs"
+            )
         if r.max_retries < 0:
             raise ValueError(f"replicas.max_retries = {r.max_retries} must be >= 0")
         if not r.wait_timeout_s > 0:
@@ -177,12 +220,16 @@ def check_types(raw: dict, *, source: str = "job spec") -> pydantic.BaseModel:
     try:
         return _schema(JobSpec).model_validate(raw)
     except pydantic.ValidationError as e:
-        bad = []
+        bad: dict[str, list[str]] = {}  # one entry per field: a union's branches are joined
         for err in e.errors():
-            loc = ".".join(str(p) for p in err["loc"])
+            loc = ".".join(str(p) for p in err["loc"] if p not in _UNION_TAGS)
             value = err.get("input")
-            bad.append(f"{loc} = {value!r} ({type(value).__name__}): {err['msg']}")
-        raise ValueError(f"{source}: " + "; ".join(bad)) from None
+            bad.setdefault(f"{loc} = {value!r} ({type(value).__name__})", []).append(err["msg"])
+        msg = "; ".join(f"{k}: {' or '.join(v)}" for k, v in bad.items())
+        raise ValueError(f"{source}: {msg}") from None
+
+
+_UNION_TAGS = {"int", "ReplicaRange"}  # pydantic names the branch of a union in the location
 
 
 _STRICT = pydantic.ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -193,11 +240,12 @@ def _schema(cls) -> type[pydantic.BaseModel]:
     """A strict pydantic model with the fields, annotations and defaults of dataclass `cls`."""
     fields = {}
     for f in dataclasses.fields(cls):
-        default = (
-            pydantic.Field(default_factory=f.default_factory)
-            if f.default is dataclasses.MISSING
-            else f.default
-        )
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = pydantic.Field(default_factory=f.default_factory)
+        else:
+            default = ...  # required
         fields[f.name] = (_strict(typing.get_type_hints(cls)[f.name]), default)
     return pydantic.create_model(cls.__name__, __config__=_STRICT, **fields)
 

@@ -27,6 +27,9 @@ class JobReport:
     missing: list[dict] = field(default_factory=list)
     replica_failures: int = 0
     rows_retried: int = 0
+    rows_moved: int = 0  # retried after their replica's node went away (not counted as retries)
+    replica_moves: dict[str, int] = field(default_factory=dict)  # "preempted"/"drained"/"lost"
+    replica_timeline: list[tuple[float, int]] = field(default_factory=list)  # (s, replicas up)
     rows_per_replica: list[int] = field(default_factory=list)
     peak_open_units: int = 0  # units held in driver memory at once (bounded by design)
     peak_inflight_rows: int = 0  # rows dispatched to one replica and not yet returned

@@ -29,12 +29,11 @@ def build_engine(
     tp: int = 1,
     dcp: int = 1,
     placement_group=None,
-    decode_placement_group=None,
 ) -> tuple[Engine, Tokenizer]:
     """An engine on this device (pp = tp = 1), or a disaggregated one: a prefill pipeline of pp
-    stage actors and, with tp > 1, a decode group of tp rank actors (Ray). Stages go in
-    bundles 1..pp of `placement_group`, decode ranks in the bundles of
-    `decode_placement_group`."""
+    stage actors and, with tp > 1, a decode group of tp rank actors (Ray). One placement group
+    holds the whole replica: bundle 0 the replica actor, bundles 1..pp the stages, bundles
+    pp + 1..pp + tp the decode ranks."""
     engine_config = engine_config or EngineConfig()
     device = device or default_device()
     dtype = dtype or default_dtype(device)
@@ -66,7 +65,8 @@ def build_engine(
     if tp > 1:
         layout = ParallelLayout(tp_size=tp, dcp_size=dcp)
         decode = DecodeGroupRunner(
-            model_dir, layout, placement_group=decode_placement_group, gpus_per_rank=gpus, **shared
+            model_dir, layout, placement_group=placement_group, first_bundle=1 + pp,
+            gpus_per_rank=gpus, **shared,
         )
     engine = Engine(None, engine_config, runner=runner, decode_runner=decode, eos_token_ids=stops)
     return engine, tokenizer

@@ -16,7 +16,7 @@ they die with it. A member that dies takes the replica down: the engine's next w
 at once, and a watchdog thread pings every member each `WATCH_INTERVAL_S` so that a death is
 noticed within seconds even while the replica is idle. Down means the process exits; Ray
 restarts the actor (up to max_restarts), and the constructor rebuilds every stage and rank in
-the replica's placement groups, which Ray re-places on a live node when a node is gone. A
+the replica's placement group, which Ray re-places on a live node when a node is gone. A
 rebuild that fails (resources that never come, a member dying while loading) also exits, after
 `placement.SPAWN_TIMEOUT_S` at most: nothing waits without a bound.
 """
@@ -53,7 +53,6 @@ class ReplicaActor:
         tp: int = 1,
         dcp: int = 1,
         placement_group=None,
-        decode_placement_group=None,
     ):
         t0 = time.perf_counter()
         self.engine, self.tokenizer = self._build_or_exit(
@@ -65,7 +64,6 @@ class ReplicaActor:
             tp=tp,
             dcp=dcp,
             placement_group=placement_group,
-            decode_placement_group=decode_placement_group,
         )
         self.load_s = time.perf_counter() - t0
         self.busy_s = 0.0

@@ -10,7 +10,9 @@ another instance than the one holding the rows means the actor restarted and los
 replica fails (a call raises, it restarted, or a `take_results` is not answered within
 `reply_timeout_s`), its in-flight rows go back to the front of the queue with attempt + 1,
 or are finished with an error after `max_retries` retries; calls of its earlier epochs are
-ignored.
+ignored. Rows lost with the replica's node (drained, preempted, lost: `health.node_loss`) go
+back too, but those attempts do not count against `max_retries`. A draining replica gets
+no new rows; its own still come back.
 """
 
 import logging
@@ -19,7 +21,7 @@ from collections import deque
 
 import ray
 
-from k3batch.driver.health import Health
+from k3batch.driver.health import Health, node_loss
 from k3batch.driver.intake import GET_TIMEOUT_S, error_row
 from k3batch.prompts import RowWork
 
@@ -39,6 +41,7 @@ class Dispatcher:
         self.instance: list[str | None] = [None] * len(replicas)  # process holding the rows
         self.calls: dict = {}  # ref -> (replica, epoch, kind "submit" | "take", sent at)
         self.done: list = []  # ((file, batch, row), output row) finished, for the caller to take
+        self.moved: dict = {}  # (file, batch, row) -> attempts lost with a node (not charged)
 
     def add(self, key: tuple[int, int], works: list[RowWork]) -> None:
         self.queue.extend(((*key, w.row_idx, 0), w) for w in works)
@@ -49,9 +52,10 @@ class Dispatcher:
     def pump(self) -> None:
         """Top up every up replica's window; keep one take_results call per busy replica."""
         busy = {(r, e) for r, e, kind, _ in self.calls.values() if kind == "take"}
-        for r in self.health.up():
+        up = set(self.health.up())
+        for r in self.health.serving():  # a draining replica gets no rows; its own come back
             room = self.window - len(self.inflight[r])
-            if room > 0 and self.queue:
+            if r in up and room > 0 and self.queue:
                 batch = [self.queue.popleft() for _ in range(min(room, len(self.queue)))]
                 for (f, b, i, attempt), w in batch:
                     self.inflight[r][(f, b, i)] = (attempt, w)
@@ -101,6 +105,7 @@ class Dispatcher:
             held = self.inflight[r].get((f, b, i))
             if held is not None and held[0] == attempt:  # else: a stale attempt's result
                 del self.inflight[r][(f, b, i)]
+                self.moved.pop((f, b, i), None)
                 self.done.append(((f, b, i), row))
 
     def _failed(self, r: int, err: Exception) -> None:
@@ -112,11 +117,18 @@ class Dispatcher:
         if lost:
             log.warning("replica %d failed (%s: %s); %d rows in flight",
                         r, type(err).__name__, err, len(lost))  # fmt: skip
+        moved = node_loss(err)
+        if moved:  # not the rows' fault: retried without counting against max_retries
+            self.report.replica_moves[moved] = self.report.replica_moves.get(moved, 0) + 1
+            self.report.rows_moved += len(lost)
         retry = []
         for (f, b, i), (attempt, w) in sorted(lost.items()):
-            if attempt < self.max_retries:
+            if moved:
+                self.moved[(f, b, i)] = self.moved.get((f, b, i), 0) + 1
+            if attempt - self.moved.get((f, b, i), 0) < self.max_retries:
                 retry.append(((f, b, i, attempt + 1), w))
             else:
+                self.moved.pop((f, b, i), None)
                 msg = f"replica failed {attempt + 1} times: {type(err).__name__}: {err}"
                 self.done.append(((f, b, i), error_row(msg)))
         self.report.rows_retried += len(retry)

@@ -1,8 +1,11 @@
-"""Replica health as the driver sees it: "up" (gets rows), "down" (failed, restarting: probed
-with `ready()` until it answers) or "dead" (out of restarts, or down for longer than
-`down_timeout_s`). Every probe is bounded: one not answered within `probe_timeout_s` counts as
-a failed probe. The job fails, naming the last error, only when every replica is dead. While no
-replica is up (nodes lost, replicas being rebuilt), a warning says so every `WAIT_LOG_EVERY_S`.
+"""Replica health as the driver sees it: "pending" (not started yet: `ReplicaPool`), "up" (gets
+rows), "down" (failed, restarting: probed with `ready()` until it answers), "dead" (out of
+restarts, or down for longer than `down_timeout_s`), "moved" (its node was drained, preempted
+or lost: the pool starts it anew elsewhere), "draining" (gets no new rows; its own still come
+back) or "released" (taken down by the pool). Every probe is bounded: one not
+answered within `probe_timeout_s` counts as a failed probe. The job fails, naming the last
+error, when every replica is dead or released and none is pending. While no replica is up (nodes
+lost, replicas being rebuilt), a warning says so every `WAIT_LOG_EVERY_S`.
 """
 
 import logging
@@ -19,7 +22,7 @@ WAIT_LOG_EVERY_S = 30.0
 class Health:
     def __init__(self, replicas: list, *, down_timeout_s: float, probe_timeout_s: float = 60.0):
         self.replicas = replicas
-        self.state = ["up"] * len(replicas)
+        self.state = ["pending"] * len(replicas)
         self.down_timeout_s, self.probe_timeout_s = down_timeout_s, probe_timeout_s
         self.down_since: dict[int, float] = {}
         self.probes: dict = {}  # ready() ref -> (replica index, sent at)
@@ -30,13 +33,34 @@ class Health:
     def up(self) -> list[int]:
         return [i for i, s in enumerate(self.state) if s == "up"]
 
+    def serving(self) -> list[int]:
+        """Replicas whose rows in flight still come back: up and draining."""
+        return [i for i, s in enumerate(self.state) if s in ("up", "draining")]
+
+    def start(self, r: int) -> None:
+        self.state[r] = "up"
+
+    def drain(self, r: int) -> None:
+        self.state[r] = "draining"
+
+    def release(self, r: int) -> None:
+        self.state[r] = "released"
+        self.probe_at.pop(r, None)
+        self.down_since.pop(r, None)
+
     def failed(self, r: int, err: Exception) -> None:
         """Replica r failed a call with `err`: it is down (or dead) from now on."""
-        if self.state[r] == "up":
+        if self.state[r] in ("up", "draining"):
             self.failures += 1
-        if isinstance(err, ray.exceptions.ActorDiedError):
+        if node_loss(err):  # the pool moves it: a new group, placed on a live node
+            if self.state[r] in ("up", "draining", "down"):
+                log.warning("replica %d: its node is gone (%s); moving it", r, node_loss(err))
+                self.state[r] = "moved"
+                self.probe_at.pop(r, None)
+                self.down_since.pop(r, None)
+        elif isinstance(err, ray.exceptions.ActorDiedError):
             self._dead(r, err)
-        elif self.state[r] == "up":
+        elif self.state[r] in ("up", "draining"):
             self.state[r] = "down"
             self.down_since[r] = time.monotonic()
             self.probe_at[r] = time.monotonic()
@@ -44,8 +68,9 @@ class Health:
     def _dead(self, r: int, err: Exception) -> None:
         self.state[r] = "dead"
         self.probe_at.pop(r, None)
+        self.down_since.pop(r, None)
         log.error("replica %d is dead: %s", r, err)
-        if all(s == "dead" for s in self.state):
+        if all(s in ("dead", "released") for s in self.state):  # none pending, none moving
             raise RuntimeError(f"every replica died; last error: {err}") from err
 
     def refs(self) -> list:
@@ -64,7 +89,10 @@ class Health:
         for r, at in list(self.probe_at.items()):
             if now - self.down_since[r] > self.down_timeout_s:
                 del self.probe_at[r]
-                self._dead(r, TimeoutError(f"down for more than {self.down_timeout_s:.0f} s"))
+                self._dead(r, TimeoutError(
+                    f"gave up waiting for resources: down for more than {self.down_timeout_s:.0f} s "
+                    f"(replicas.wait_timeout_s = {self.down_timeout_s:g})"
+                ))  # fmt: skip
             elif at <= now:
                 del self.probe_at[r]
                 self.probes[self.replicas[r].ready.remote()] = (r, now)
@@ -75,10 +103,12 @@ class Health:
 
     def on_probe(self, ref) -> None:
         r, _ = self.probes.pop(ref)
+        if self.state[r] != "down":
+            return  # released or dead meanwhile
         try:
             ray.get(ref, timeout=self.probe_timeout_s)
         except ray.exceptions.ActorDiedError as e:
-            self._dead(r, e)
+            self.failed(r, e)
         except (ray.exceptions.RayError, TimeoutError):
             self.probe_at[r] = time.monotonic() + PROBE_EVERY_S  # still restarting
         else:
@@ -86,3 +116,25 @@ class Health:
                 log.warning("replica %d is back", r)
                 self.state[r] = "up"
                 del self.down_since[r]
+
+
+def node_loss(err: Exception) -> str | None:
+    """Why a replica's node went away, as Ray reports it: "preempted" (the node was drained for
+    preemption), "drained" (it ended as expected: drained, scaled down), "lost" (it died
+    unexpectedly), "unavailable" (the connection to it broke); None when the failure is the
+    replica's own. Rows lost this way are retried
+    without counting against `replicas.max_retries`."""
+    if not isinstance(err, ray.exceptions.RayActorError):
+        return None
+    if isinstance(err, ray.exceptions.ActorUnavailableError):
+        # What a node that just went away looks like first (connection reset), before Ray
+        # knows why; Ray says the rows "may or may not have been executed": not their fault.
+        return "unavailable"
+    if err.preempted:
+        return "preempted"
+    text = str(err)
+    if "terminated expectedly" in text:
+        return "drained"
+    if "its node has died" in text or "node it was running on is dead" in text:
+        return "lost"
+    return None

@@ -13,17 +13,15 @@ import logging
 import time
 
 import ray
-from ray.util.placement_group import remove_placement_group
 
 from k3batch.actors.replica import ReplicaActor
 from k3batch.driver.commit import Committer, missing_rows
 from k3batch.driver.dispatch import Dispatcher
-from k3batch.driver.health import Health
 from k3batch.driver.ids import IdIndex
 from k3batch.driver.inputs import survey_inputs
 from k3batch.driver.intake import Intake
 from k3batch.driver.loop import Loop
-from k3batch.driver.replicas import collect_stats, start_replicas, wait_until_ready
+from k3batch.driver.replicas import ReplicaPool
 from k3batch.io import OutputLease, ShardSink, iter_units, open_manifest, record_inputs
 from k3batch.io import resolve_input
 from k3batch.jobspec import JobSpec
@@ -103,45 +101,40 @@ def _run(spec, sink, lease, report, ctx, progress_stream, replica_cls, replica_k
     r = spec.replicas
     started_ray = not ray.is_initialized()
     if started_ray:
-        local_cpus = r.num_replicas * (r.pp + r.tp + 1) + 2  # logical CPUs
+        local_cpus = r.max_replicas * (r.pp + r.tp + 1) + 2  # logical CPUs
         ray.init(
             address=spec.address,
             num_cpus=None if spec.address else local_cpus,
             include_dashboard=False,
         )
-    replicas, groups = [], []
+    pool = None
     try:
-        device = r.device
-        if device == "auto":
-            device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
-        replicas = start_replicas(spec, device, groups, replica_cls=replica_cls,
-                                  replica_kw=replica_kw)  # fmt: skip
-        wait_until_ready(replicas, r.wait_timeout_s)
+        pool = ReplicaPool(spec, r.resolved_device, replica_cls=replica_cls, replica_kw=replica_kw,
+                           t0=t_start)  # fmt: skip
+        pool.start()
         report.stage_s["startup"] = time.monotonic() - t_start
         intake = Intake(spec, config.vocab_size, ctx["units"], ctx["ids"], report)
-        health = Health(replicas, down_timeout_s=r.wait_timeout_s)
         window = r.max_inflight_rows
-        dispatch = Dispatcher(replicas, health, window=window, max_retries=r.max_retries,
+        dispatch = Dispatcher(pool.actors, pool.health, window=window, max_retries=r.max_retries,
                               report=report)  # fmt: skip
         commit = Committer(spec, sink, intake.add_id, report, lease)
         progress = Progress(report.rows_total, report.rows_skipped_resumed, progress_stream)
-        max_open = 1 + -(-r.num_replicas * window // ctx["batch_rows"])
+        max_open = 1 + -(-r.max_replicas * window // ctx["batch_rows"])
         try:
-            Loop(intake, dispatch, health, commit, max_open=max_open, progress=progress,
+            Loop(intake, dispatch, pool, commit, max_open=max_open, progress=progress,
                  report=report).run()  # fmt: skip
         finally:
             for i, errors in intake.errors.items():
                 ctx["reasons"].setdefault(i, []).extend(errors)
-        stats = collect_stats(replicas, health.up())
+            report.replica_timeline = pool.timeline
+        stats = pool.collect_stats()
         report.stage_s["generate"] = max((s["busy_s"] for s in stats), default=0.0)
         report.rows_per_replica = [s["rows"] for s in stats]
         report.pipeline = [s["pipeline"] for s in stats if "pipeline" in s]
         report.decode_groups = [s["decode_group"] for s in stats if "decode_group" in s]
         report.cache = [s["cache"] for s in stats if "cache" in s]
     finally:
-        for actor in replicas:
-            ray.kill(actor)
-        for pg in groups:
-            remove_placement_group(pg)
+        if pool is not None:
+            pool.shutdown()
         if started_ray:
             ray.shutdown()

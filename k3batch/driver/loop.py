@@ -1,26 +1,27 @@
-"""The driver's event loop: intake, dispatch, health and commit joined by one bounded wait.
+"""The driver's event loop: intake, dispatch, replicas and commit joined by one bounded wait.
 
 Each turn: open units while fewer than `max_open` are open (intake), top up the replicas
-(dispatch), probe replicas that are down (health), then wait at most `WAIT_S` for any call or
-task to finish and hand each to its owner; a unit whose rows are all finished is committed. The
-loop ends when the input is exhausted and no unit is open. Open units bound driver memory: at
-most enough to fill every replica's window, plus one.
+(dispatch), let the pool add placed replicas, drain the ones the tail no longer needs and probe
+those that are down (replicas), then wait at most `WAIT_S` for any call or task to finish and
+hand each to its owner; a unit whose rows are all finished is committed. The loop ends when the
+input is exhausted and no unit is open. Open units bound driver memory: at most enough to fill
+every replica's window, plus one.
 """
 
 import ray
 
 from k3batch.driver.commit import Committer
 from k3batch.driver.dispatch import Dispatcher
-from k3batch.driver.health import Health
 from k3batch.driver.intake import Intake, OpenUnit
+from k3batch.driver.replicas import ReplicaPool
 
 WAIT_S = 1.0
 
 
 class Loop:
-    def __init__(self, intake: Intake, dispatch: Dispatcher, health: Health, commit: Committer,
+    def __init__(self, intake: Intake, dispatch: Dispatcher, pool: ReplicaPool, commit: Committer,
                  *, max_open: int, progress, report):  # fmt: skip
-        self.intake, self.dispatch, self.health, self.commit = intake, dispatch, health, commit
+        self.intake, self.dispatch, self.pool, self.commit = intake, dispatch, pool, commit
         self.max_open, self.progress, self.report = max_open, progress, report
         self.open: dict[tuple[int, int], OpenUnit] = {}
 
@@ -31,8 +32,9 @@ class Loop:
             self._finish(self.dispatch.take_done())
             if self.intake.exhausted and not self.open:
                 break
-            self.health.send_probes()
-            refs = [*self.intake.tok_refs, *self.dispatch.refs(), *self.health.refs()]
+            tail = self.intake.exhausted and not self.intake.tok_refs  # every row is known
+            self.pool.step(self.dispatch, tail)
+            refs = [*self.intake.tok_refs, *self.dispatch.refs(), *self.pool.refs()]
             ready, _ = ray.wait(refs, num_returns=1, timeout=WAIT_S) if refs else ([], [])
             if ready:  # and whatever else is ready by now
                 ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
@@ -41,12 +43,12 @@ class Loop:
                     state = self.open[self.intake.tok_refs[ref]]
                     self.dispatch.add(state.key, self.intake.on_tokenized(ref, state))
                     self._maybe_commit(state)
-                elif ref in self.health.probes:
-                    self.health.on_probe(ref)
+                elif self.pool.owns(ref):
+                    self.pool.on_ready(ref)
                 else:
                     self.dispatch.on_ready(ref)
             self._finish(self.dispatch.take_done())
-            self.report.replica_failures = self.health.failures
+            self.report.replica_failures = self.pool.health.failures
             self.progress.update(self._done_rows(), self.report.output_tokens)
         self.progress.update(self._done_rows(), self.report.output_tokens, final=True)
 

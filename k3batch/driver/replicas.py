@@ -1,21 +1,39 @@
-"""Starting the replicas and reading their statistics, every wait bounded.
+"""Elastic replicas: one resource request per replica, replicas added as resources appear and
+released when the remaining work no longer needs them.
 
-A replica is a placement group (or two, with tp > 1) and one ReplicaActor in its first bundle.
-Waiting for the groups is bounded by `replicas.wait_timeout_s`, with a visible message every
-`NOTICE_EVERY_S`; a job that cannot get its resources fails naming the bundles it asked for,
-what the cluster has free, and how long it waited. Actor startup (model loading) is bounded by
-the same timeout. The final statistics ask only replicas that are up, within `STATS_TIMEOUT_S`.
+A replica is one placement group holding all of its bundles (the replica actor, its prefill
+stages and decode ranks), reserved together: Ray places the whole group or nothing, so a
+partial replica never holds GPUs and two replicas can never each hold half of what both need.
+The group is STRICT_PACK (one node) when the replica's GPUs fit one node
+(`replicas.gpus_per_node`), else PACK (as few nodes as Ray can, still all or nothing).
+
+The pool has `max` slots. Every slot's group is requested at the start: a group not placed yet
+is what an autoscaler sees as pending demand (`ray status` lists it), so it adds nodes of a type
+whose declared resources fit the bundles (GPU count and `accelerator_type:<type>`). We do not
+call `ray.autoscaler.sdk.request_resources`: it sets a floor the cluster keeps after the job
+unless reset, and it cannot say that bundles belong together; pending groups say exactly what
+is needed and disappear with the job.
+
+Slot life: "pending" (group requested; once placed the actor is created and its `ready()` is
+awaited) -> "up" / "down" / "dead" (`Health`) -> "draining" (gets no new rows, finishes its own)
+-> "released" (actor killed, group removed: its node goes idle and the autoscaler can remove it).
+A replica whose node was drained, preempted or lost ("moved") goes back to "pending" with a new
+group; its rows are retried elsewhere without counting against `max_retries` (`dispatch`).
+The job starts as soon as `min` replicas are up (`start`, bounded by
+`replicas.wait_timeout_s` with a message every `NOTICE_EVERY_S`). `step()` turns placed groups
+into replicas and, once the input is exhausted, drains replicas beyond what the rows left need
+(one replica per `max_inflight_rows` rows) and cancels groups not placed yet.
 """
 
 import logging
 import time
 
 import ray
-from ray.util.placement_group import placement_group
+from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from k3batch.actors.replica import ReplicaActor
-from k3batch.jobspec import JobSpec
+from k3batch.driver.health import Health
+from k3batch.jobspec import JobSpec, ReplicaSpec
 
 log = logging.getLogger(__name__)
 
@@ -23,123 +41,236 @@ NOTICE_EVERY_S = 30.0
 STATS_TIMEOUT_S = 30.0
 
 
-def start_replicas(spec: JobSpec, device: str, groups: list, *, replica_cls=ReplicaActor,
-                   replica_kw=None) -> list:  # fmt: skip
-    """Placement groups per replica, and one replica actor in the first bundle of the first.
-    pp = tp = 1: one bundle with the replica's device(s) (STRICT_PACK). Otherwise the replica is
-    a light coordinator followed by one bundle (one device) per pipeline stage (PACK: stages may
-    span nodes), and with tp > 1 a second group with one bundle per decode rank (STRICT_PACK: a
-    decode group shares a node). GPU and accelerator-type requests let an autoscaler see the
-    demand. Returns the actors (not ready yet: see `wait_until_ready`). Every placement group is
-    appended to `groups` as soon as it exists, so the caller can remove them even on error."""
-    r = spec.replicas
+def replica_bundles(r: ReplicaSpec, device: str) -> tuple[list[dict], str]:
+    """The bundles of one replica and the group's strategy. pp = tp = 1: one bundle with the
+    replica's device(s). Otherwise bundle 0 is a light coordinator (the replica actor), then one
+    bundle (one device) per prefill stage, then one per decode rank (tp > 1)."""
     cuda = device == "cuda"
     accel = {f"accelerator_type:{r.accelerator_type}": 0.001} if r.accelerator_type and cuda else {}
-    single = r.pp == 1 and r.tp == 1
-    worker = {"CPU": 1, "GPU": 1 if cuda else 0, **accel}
-    if single:
+    if r.pp == 1 and r.tp == 1:
         gpus = (r.num_gpus if r.num_gpus is not None else 1) if cuda else 0
-        bundles, strategy = [{"CPU": 1, "GPU": gpus, **accel}], "STRICT_PACK"
+        bundles = [{"CPU": 1, "GPU": gpus, **accel}]
     else:
-        gpus = 0
-        bundles, strategy = [{"CPU": 1}] + [worker] * r.pp, "PACK"
-    drop_zeros = lambda bs: [{k: v for k, v in b.items() if v} for b in bs]  # noqa: E731
-    replica_groups, decode_groups = [], [None] * r.num_replicas
-    for i in range(r.num_replicas):
-        replica_groups.append(placement_group(drop_zeros(bundles), strategy=strategy))
-        groups.append(replica_groups[-1])
-        if r.tp > 1:
-            decode_groups[i] = placement_group(drop_zeros([worker] * r.tp), strategy="STRICT_PACK")
-            groups.append(decode_groups[i])
-    wait_for_groups(groups, r.wait_timeout_s)
-    actor_cls = ray.remote(replica_cls)
-    actors = [
-        actor_cls.options(
+        gpus = (r.pp + (r.tp if r.tp > 1 else 0)) if cuda else 0
+        worker = {"CPU": 1, "GPU": 1 if cuda else 0, **accel}
+        bundles = [{"CPU": 1}] + [worker] * (r.pp + (r.tp if r.tp > 1 else 0))
+    bundles = [{k: v for k, v in b.items() if v} for b in bundles]
+    return bundles, "STRICT_PACK" if gpus <= r.gpus_per_node else "PACK"
+
+
+class ReplicaPool:
+    def __init__(self, spec: JobSpec, device: str, *, replica_cls, replica_kw=None,
+                 t0: float | None = None):  # fmt: skip
+        """t0: the job's start (time.monotonic()), from which the timeline counts."""
+        r = spec.replicas
+        self.spec, self.device, self.r = spec, device, r
+        self.replica_cls, self.replica_kw = ray.remote(replica_cls), replica_kw or {}
+        self.bundles, self.strategy = replica_bundles(r, device)
+        self.groups: list = [None] * r.max_replicas
+        self.actors: list = [None] * r.max_replicas  # shared with Health and the Dispatcher
+        self.health = Health(self.actors, down_timeout_s=r.wait_timeout_s)
+        self.placing: dict = {}  # pg.ready() ref -> slot
+        self.starting: dict = {}  # actor ready() ref -> (slot, sent at)
+        self.t0 = time.monotonic() if t0 is None else t0
+        self.idle_since: float | None = None  # no replica up or draining since
+        self.timeline: list[tuple[float, int]] = []  # (s since start, replicas up), on change
+        self.final_stats: list[dict] = []  # of replicas released before the end
+
+    # ---- the loop's interface ------------------------------------------------------------
+    def refs(self) -> list:
+        return [*self.placing, *self.starting, *self.health.refs()]
+
+    def owns(self, ref) -> bool:
+        return ref in self.placing or ref in self.starting or ref in self.health.probes
+
+    def on_ready(self, ref) -> None:
+        if ref in self.placing:
+            self._create(self.placing.pop(ref))
+        elif ref in self.starting:
+            self._started(ref)
+        else:
+            self.health.on_probe(ref)
+        self._record()
+
+    def step(self, dispatch, exhausted: bool) -> None:
+        """Scale down at the tail, release drained replicas, probe down ones, bound waits."""
+        now = time.monotonic()
+        for ref, (i, sent) in list(self.starting.items()):
+            if now - sent > self.r.wait_timeout_s:
+                del self.starting[ref]
+                log.error("replica %d not ready after %g s (replicas.wait_timeout_s): model "
+                          "loading or stage startup did not finish", i, self.r.wait_timeout_s)
+                self._release(i)  # fmt: skip
+        for i, s in enumerate(self.health.state):
+            if s == "moved":
+                self._move(i)
+        if exhausted:
+            self._shrink(dispatch)
+        self.health.send_probes()
+        serving = [i for i, s in enumerate(self.health.state) if s in ("up", "down", "draining")]
+        if serving or not (self.placing or self.starting):
+            self.idle_since = None
+        elif self.idle_since is None:
+            self.idle_since = now
+        elif now - self.idle_since > self.r.wait_timeout_s:
+            raise RuntimeError(
+                f"gave up waiting for resources: no replica up for {now - self.idle_since:.0f} s "
+                f"(replicas.wait_timeout_s = {self.r.wait_timeout_s:g}); {len(self.placing)} "
+                f"replica(s) wait for bundles {self.bundles} ({self.strategy}); the cluster has "
+                f"{_free()} free"
+            )
+        self._record()
+
+    # ---- startup -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Request every replica's group, then block until `min` replicas are up (the rest keep
+        coming while the job runs); RuntimeError after `replicas.wait_timeout_s`, naming what
+        is missing. `shutdown()` removes the groups, also after an error here."""
+        for i in range(self.r.max_replicas):
+            self.groups[i] = placement_group(self.bundles, strategy=self.strategy)
+            self.placing[self.groups[i].ready()] = i
+        timeout_s, need = self.r.wait_timeout_s, self.r.min_replicas
+        t_start = noticed = time.monotonic()
+        while len(self.health.up()) < need:
+            waited = time.monotonic() - t_start
+            if waited >= timeout_s:
+                raise RuntimeError(
+                    f"waited {waited:.0f} s (replicas.wait_timeout_s = {timeout_s:g}) for "
+                    f"{need} replica(s) (replicas.num_replicas min): {len(self.health.up())} up, "
+                    f"{len(self.placing)} placement groups not placed; each asks for bundles "
+                    f"{self.bundles} ({self.strategy}); the cluster has {_free()} free"
+                )
+            if time.monotonic() - noticed >= NOTICE_EVERY_S:
+                noticed = time.monotonic()
+                log.warning(
+                    "waiting for resources: %d of %d replica(s) up (min %d), %.0f of %g s; "
+                    "each replica asks for bundles %s (%s), pending for the autoscaler; free: %s",
+                    len(self.health.up()), self.r.max_replicas, need, waited, timeout_s,
+                    self.bundles, self.strategy, _free(),
+                )  # fmt: skip
+            refs = [*self.placing, *self.starting]
+            if not refs:
+                raise RuntimeError(f"replicas failed to start; states: {self.health.state}")
+            step = min(NOTICE_EVERY_S, max(timeout_s - waited, 0.0), 1.0)
+            ready, _ = ray.wait(refs, num_returns=1, timeout=step)
+            for ref in ready:
+                self.on_ready(ref)
+
+    def _create(self, i: int) -> None:
+        r, single = self.r, self.r.pp == 1 and self.r.tp == 1
+        gpus = self.bundles[0].get("GPU", 0) if single else 0
+        self.actors[i] = self.replica_cls.options(
             num_cpus=1,
             num_gpus=gpus,
             max_restarts=r.max_retries,
             max_task_retries=0,
             max_concurrency=64,
-            name=f"{spec.name}/replica-{i}",
+            name=f"{self.spec.name}/replica-{i}",
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=0
+                self.groups[i], placement_group_bundle_index=0
             ),
         ).remote(
-            spec.model,
-            spec.engine,
-            device,
+            self.spec.model,
+            self.spec.engine,
+            self.device,
             pp=r.pp,
             pp_layers=r.pp_layers,
             tp=r.tp,
             dcp=r.dcp,
-            placement_group=None if single else pg,
-            decode_placement_group=dpg,
-            **(replica_kw or {}),
+            placement_group=None if single else self.groups[i],
+            **self.replica_kw,
         )
-        for i, (pg, dpg) in enumerate(zip(replica_groups, decode_groups))
-    ]
-    return actors
+        self.starting[self.actors[i].ready.remote()] = (i, time.monotonic())
 
-
-def wait_for_groups(groups: list, timeout_s: float) -> None:
-    """Wait until every placement group is placed; RuntimeError after `timeout_s`, naming the
-    bundles still waiting and what the cluster has free."""
-    t0 = time.monotonic()
-    pending = {pg.ready(): pg for pg in groups}
-    while pending:
-        waited = time.monotonic() - t0
-        if waited >= timeout_s:
-            asked = [pg.bundle_specs for pg in pending.values()]
-            raise RuntimeError(
-                f"waited {waited:.0f} s (replicas.wait_timeout_s = {timeout_s:g}) for resources: "
-                f"{len(pending)} of {len(groups)} placement groups not placed; they ask for "
-                f"bundles {asked}; the cluster has {_free()} free"
-            )
-        step = min(NOTICE_EVERY_S, timeout_s - waited)
-        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=step)
-        for ref in ready:
-            del pending[ref]
-        if pending:
-            log.warning(
-                "waiting for resources for %d replica group(s) for %.0f s (of %g): bundles %s; "
-                "free: %s",
-                len(pending),
-                time.monotonic() - t0,
-                timeout_s,
-                [pg.bundle_specs for pg in pending.values()],
-                _free(),
-            )
-
-
-def wait_until_ready(actors: list, timeout_s: float) -> None:
-    """Wait for every replica's `ready()` (model loaded); RuntimeError naming the replicas that
-    did not answer within `timeout_s`, or the first startup error."""
-    refs = {a.ready.remote(): i for i, a in enumerate(actors)}
-    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-    late = sorted(i for ref, i in refs.items() if ref not in ready)
-    if late:
-        raise RuntimeError(
-            f"replica(s) {late} not ready after {timeout_s:g} s (replicas.wait_timeout_s): "
-            f"model loading or stage startup did not finish"
-        )
-    ray.get(ready, timeout=STATS_TIMEOUT_S)  # raises the startup error of a failed replica
-
-
-def collect_stats(actors: list, up: list[int]) -> list[dict]:
-    """stats() of the replicas that are up, each within STATS_TIMEOUT_S; a replica that fails
-    or does not answer is left out (logged)."""
-    refs = {actors[i].stats.remote(): i for i in up}
-    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=STATS_TIMEOUT_S)
-    out = []
-    for ref in refs:
-        if ref not in ready:
-            log.warning("replica %d: no statistics within %.0f s", refs[ref], STATS_TIMEOUT_S)
-            continue
+    def _started(self, ref) -> None:
+        i, _ = self.starting.pop(ref)
         try:
-            out.append(ray.get(ref, timeout=STATS_TIMEOUT_S))
+            ray.get(ref, timeout=STATS_TIMEOUT_S)
         except (ray.exceptions.RayError, TimeoutError) as e:
-            log.warning("replica %d: no statistics: %s", refs[ref], e)
-    return out
+            log.error("replica %d failed to start: %s", i, e)
+            self._release(i)
+            if not self.placing and not self.starting and not self.health.up():
+                raise RuntimeError(f"no replica could start; last error: {e}") from e
+            return
+        self.health.start(i)
+        log.info("replica %d up (%d up)", i, len(self.health.up()))
+
+    # ---- the tail ------------------------------------------------------------------------
+    def _shrink(self, dispatch) -> None:
+        """The input is exhausted: keep one replica per `max_inflight_rows` rows left, drain the
+        others (fewest rows in flight first), release drained replicas that hold no rows."""
+        left = len(dispatch.queue) + sum(len(held) for held in dispatch.inflight)
+        keep = -(-left // self.r.max_inflight_rows)
+        if keep <= len(self.health.up()):  # replicas not up yet are no longer needed
+            for ref, i in list(self.placing.items()):
+                del self.placing[ref]
+                self._release(i)
+            for ref, (i, _) in list(self.starting.items()):
+                del self.starting[ref]
+                self._release(i)
+        up = sorted(self.health.up(), key=lambda i: len(dispatch.inflight[i]))
+        for i in up[: max(len(up) - keep, 0)]:
+            self.health.drain(i)
+            log.info("replica %d draining (%d rows left in the job)", i, left)
+        for i, s in enumerate(self.health.state):
+            if s == "draining" and not dispatch.inflight[i]:
+                self._release(i)
+
+    def _move(self, i: int) -> None:
+        """Replica i lost its node: take down what is left of it and request it anew (pending:
+        the autoscaler sees the demand again if no live node has room)."""
+        ray.kill(self.actors[i])
+        remove_placement_group(self.groups[i])
+        self.groups[i] = placement_group(self.bundles, strategy=self.strategy)
+        self.placing[self.groups[i].ready()] = i
+        self.health.state[i] = "pending"
+
+    def _release(self, i: int) -> None:
+        if self.health.state[i] in ("up", "draining"):
+            self.final_stats += self._stats([i])
+        if self.actors[i] is not None:
+            ray.kill(self.actors[i])
+        if self.groups[i] is not None:
+            remove_placement_group(self.groups[i])
+            self.groups[i] = None
+        self.health.release(i)
+
+    def _record(self) -> None:
+        n = len(self.health.up())
+        if not self.timeline or self.timeline[-1][1] != n:
+            self.timeline.append((round(time.monotonic() - self.t0, 2), n))
+
+    # ---- the end -------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self.health.state = ["released"] * len(self.actors)
+        self._record()
+        for i in range(len(self.actors)):
+            if self.actors[i] is not None:
+                ray.kill(self.actors[i])
+            if self.groups[i] is not None:
+                remove_placement_group(self.groups[i])
+                self.groups[i] = None
+
+    def collect_stats(self) -> list[dict]:
+        """stats() of every replica that served: those released on the way (read when they were
+        released) and those up now."""
+        return self.final_stats + self._stats(self.health.up())
+
+    def _stats(self, slots: list[int]) -> list[dict]:
+        """stats() of `slots`, each within STATS_TIMEOUT_S; a replica that fails or does not
+        answer is left out (logged)."""
+        refs = {self.actors[i].stats.remote(): i for i in slots}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=STATS_TIMEOUT_S)
+        out = []
+        for ref in refs:
+            if ref not in ready:
+                log.warning("replica %d: no statistics within %.0f s", refs[ref], STATS_TIMEOUT_S)
+                continue
+            try:
+                out.append(ray.get(ref, timeout=STATS_TIMEOUT_S))
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                log.warning("replica %d: no statistics: %s", refs[ref], e)
+        return out
 
 
 def _free() -> dict:
