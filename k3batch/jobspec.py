@@ -39,7 +39,10 @@ from k3batch.model.config import K3Config
 from k3batch.parallel.pipeline import split_layers
 
 # Per-row sampling overrides: input columns with these names, when present, win over [sampling].
-ROW_SAMPLING_COLUMNS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
+# prompt_logprobs_start: score only the prompt tokens from this position on (a continuation).
+ROW_SAMPLING_COLUMNS = (
+    "temperature", "top_p", "top_k", "seed", "max_new_tokens", "prompt_logprobs_start",
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -171,11 +174,12 @@ def job_spec_from_dict(raw: dict, *, source: str = "job spec") -> JobSpec:
     return JobSpec(**kw)
 
 
-def check_types(raw: dict, *, source: str = "job spec") -> pydantic.BaseModel:
-    """Check every field of a nested job-spec dict against its annotation; the checked model (lists
-    become tuples where a tuple is declared). ValueError lists each bad field with its value."""
+def check_types(raw: dict, *, source: str = "job spec", cls=None) -> pydantic.BaseModel:
+    """Check every field of a nested dict against the annotations of dataclass `cls` (default
+    JobSpec); the checked model (lists become tuples where a tuple is declared). ValueError lists
+    each bad field with its value."""
     try:
-        return _schema(JobSpec).model_validate(raw)
+        return _schema(cls or JobSpec).model_validate(raw)
     except pydantic.ValidationError as e:
         bad = []
         for err in e.errors():

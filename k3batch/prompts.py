@@ -85,7 +85,7 @@ def prepare_rows(
     return out
 
 
-_INT_FIELDS = ("top_k", "seed", "max_new_tokens")
+_INT_FIELDS = ("top_k", "seed", "max_new_tokens", "prompt_logprobs_start")
 
 
 def row_sampling(defaults: SamplingParams, values: dict[str, object]) -> SamplingParams:
