@@ -28,6 +28,7 @@ Rolling log-likelihood scores the `prompt` text of each row as a document, in wi
 """
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,18 +93,26 @@ def evaluate(expression: str, row: dict):
 
 def read_rows(path: str) -> list[dict]:
     """The rows of a .parquet or .jsonl file; ValueError naming the file when it cannot be read."""
-    import pyarrow.json as pajson
     import pyarrow.parquet as pq
 
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"data file {path!r} does not exist")
-    try:
-        if p.suffix == ".parquet":
+    if p.suffix == ".parquet":
+        try:
             return pq.read_table(p).to_pylist()
-        return pajson.read_json(p).to_pylist()
-    except Exception as e:
-        raise ValueError(f"data file {path!r} cannot be read: {type(e).__name__}: {e}") from None
+        except Exception as e:
+            raise ValueError(f"data file {path!r} cannot be read: {type(e).__name__}: {e}") from None
+    rows = []  # JSONL: read line by line, so that rows may differ in their types
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"data file {path!r} line {n}: not JSON: {e}") from None
+            if not isinstance(rows[-1], dict):
+                raise ValueError(f"data file {path!r} line {n}: not a JSON object")
+    return rows
 
 
 def load_suite(path: str | Path, *, limit: int | None = None, seed: int | None = None) -> SuiteSpec:
@@ -216,7 +225,7 @@ def _validate(t: TaskSpec) -> None:
                 raise ValueError(f"answer_regex {t.answer_regex!r}: {e}") from None
         if t.match == "math":
             try:
-                import math_verify  # noqa: F401
+                import math_verify  # noqa: F401  (imported only to see that it is there)
             except ImportError:
                 raise ValueError("match: math needs math-verify (pip install k3batch[eval])")
     if t.max_len is not None and t.max_len < 2:
