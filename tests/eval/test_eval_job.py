@@ -64,7 +64,7 @@ def test_loglik_equals_full_forward_cache_on_and_off(cluster, debug_ckpt, tmp_pa
     """Cache off, one sequence per forward, no cut: each choice's log-likelihood is the full
     forward's within 1e-4 (measured ~1e-6). Cache on with packing (page 16): within 1e-3
     (measured up to 3e-4; see the module docstring), three of four choices restored."""
-    suite = load_suite(make_mc_suite(tmp_path / "suite", 3, num_fewshot=1))
+    suite = load_suite(make_mc_suite(tmp_path / "suite", 2, num_fewshot=1))
     model = k3batch.load_model(debug_ckpt, dtype=torch.float32, device="cpu")
     settings = {
         "cache-off": ({"prefix_cache": False}, 1e-4),
@@ -87,13 +87,13 @@ def test_loglik_equals_full_forward_cache_on_and_off(cluster, debug_ckpt, tmp_pa
         print(f"{name}: max |loglik - full forward| = {worst:.2e}")
         assert worst < tol, name
     cache = res.report.cache[0]["cache"]
-    assert cache["prefix_hits"] >= 9 and cache["prefix_hit_tokens"] > 0
+    assert cache["prefix_hits"] >= 6 and cache["prefix_hit_tokens"] > 0
 
 
 def test_prefix_cache_saves_most_prefill_of_a_200_item_suite(cluster, shallow_ckpt, tmp_path,
                                                              make_job, make_mc_suite):  # fmt: skip
-    suite = load_suite(make_mc_suite(tmp_path / "suite", 200, num_fewshot=3))
-    job = make_job(shallow_ckpt, tmp_path / "out", "mc200", max_num_seqs=32, page_size=16)
+    suite = load_suite(make_mc_suite(tmp_path / "suite", 200, num_fewshot=2))
+    job = make_job(shallow_ckpt, tmp_path / "out", "mc200", max_num_seqs=64, page_size=16)
     res = run_eval(suite, job)
     (stats,) = res.report.cache
     cache = stats["cache"]
@@ -105,6 +105,25 @@ def test_prefix_cache_saves_most_prefill_of_a_200_item_suite(cluster, shallow_ck
     assert "prefill tokens saved" in res.summary()
 
 
+def test_resumed_eval_on_fewer_replicas_writes_identical_results(cluster, shallow_ckpt,
+                                                                 tmp_path, make_job):  # fmt: skip
+    """Every task kind (sampled generations too): two replicas, then half of the shards lost
+    and the eval rerun on one replica: the same results.json and items.jsonl, byte for byte."""
+    suite = load_suite(Path(__file__).parents[2] / "evals" / "tiny.yaml")
+    out = tmp_path / "out"
+    run_eval(suite, make_job(shallow_ckpt, out, "tiny-2", replicas=2))
+    results, items = (out / "results.json").read_text(), (out / "items.jsonl").read_text()
+    shards = sorted((out / "records").glob("part-*.parquet"))
+    for shard in shards[::2]:
+        shard.unlink()
+    (out / "results.json").unlink()
+    again = run_eval(suite, make_job(shallow_ckpt, out, "tiny-1", replicas=1))
+    assert again.report.rows_skipped_resumed > 0 and again.report.rows_written > 0
+    assert (out / "results.json").read_text() == results
+    assert (out / "items.jsonl").read_text() == items
+
+
+@pytest.mark.slow  # two CLI processes; the resume itself is covered by the test above
 def test_driver_killed_mid_eval_then_rerun_gives_identical_results(cluster, shallow_ckpt,
                                                                     tmp_path, make_job):  # fmt: skip
     suite_path = str(Path(__file__).parents[2] / "evals" / "tiny.yaml")
