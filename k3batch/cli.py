@@ -139,14 +139,18 @@ def run(job, **flags):
         raise SystemExit(2)
 
 
-_EVAL_SECTIONS = ("model", "name", "address", "output.path", "input.batch_rows", "replicas", "engine")
+# The job fields an eval takes from flags (its input and sampling are its own).
+_EVAL_SECTIONS = ("model", "name", "address", "output.path", "input.batch_rows", "replicas",
+                  "engine")  # fmt: skip
 
 
 def _eval_options(fn):
     for flag, field, typ, help_ in reversed(_RUN_FLAGS):
         if field.startswith(_EVAL_SECTIONS):
-            fn = click.option(flag, field.replace(".", "__"), type=typ, default=None, help=help_)(fn)
-    return click.option("--prefix-cache/--no-prefix-cache", "engine__prefix_cache", default=None)(fn)
+            dest = field.replace(".", "__")
+            fn = click.option(flag, dest, type=typ, default=None, help=help_)(fn)
+    flag = "--prefix-cache/--no-prefix-cache"
+    return click.option(flag, "engine__prefix_cache", default=None)(fn)
 
 
 @main.command("eval")

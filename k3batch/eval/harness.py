@@ -89,8 +89,9 @@ class K3LM(TemplateLM):
                 else 0.0  # fmt: skip
             ids = self.tokenizer.encode(context, add_bos=True)
             ids = ids[-max(self.max_length - max_gen, 1) :]  # room for the completion
+            seed = sample_seed(self.seed, "", i, 0)
             rows.append(_row(i, ids, start=len(ids), max_new_tokens=max_gen,
-                             temperature=temperature, seed=sample_seed(self.seed, "", i, 0)))  # fmt: skip
+                             temperature=temperature, seed=seed))  # fmt: skip
             untils.append(until)
         out = self._run("generate_until", rows)
         texts = [cut(r["generated_text"], u) for r, u in zip(out, untils)]
@@ -133,7 +134,8 @@ def write_lm_eval_results(results: dict, out: str) -> str:
 
 
 def run_lm_eval(tasks: list[str], job: JobSpec, *, include_path: str | None = None,
-                num_fewshot: int | None = None, limit: int | None = None, seed: int = 0) -> dict:  # fmt: skip
+                num_fewshot: int | None = None, limit: int | None = None,
+                seed: int = 0) -> dict:  # fmt: skip
     """lm-eval's `simple_evaluate` with K3LM over lm-eval's task registry (plus the task YAMLs
     under include_path). Returns lm-eval's results dict."""
     import lm_eval

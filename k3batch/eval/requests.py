@@ -164,7 +164,8 @@ def _check_len(n: int, max_seq_len: int) -> None:
 
 
 def _row(task, item, sub, ids, *, start=None, max_new_tokens=1, temperature=0.0, seed=None,
-         gold=None, choice_bytes=None, target=None, num_bytes=None, prep_error=None) -> dict:  # fmt: skip
+         gold=None, choice_bytes=None, target=None, num_bytes=None,
+         prep_error=None) -> dict:  # fmt: skip
     return {
         "id": f"{task.name}/{item:06d}/{sub:03d}",
         "task": task.name,

@@ -28,6 +28,8 @@ Rolling log-likelihood scores the `prompt` text of each row as a document, in wi
 """
 
 import dataclasses
+import functools
+import importlib.util
 import json
 import re
 from dataclasses import dataclass
@@ -84,11 +86,21 @@ _ENV = jinja2.sandbox.ImmutableSandboxedEnvironment(
 
 
 def render(template: str, row: dict, **extra) -> str:
-    return _ENV.from_string(template).render(**row, **extra)
+    return _template(template).render(**row, **extra)
 
 
 def evaluate(expression: str, row: dict):
-    return _ENV.compile_expression(expression, undefined_to_none=False)(**row)
+    return _expression(expression)(**row)
+
+
+@functools.lru_cache(maxsize=64)
+def _template(source: str):
+    return _ENV.from_string(source)
+
+
+@functools.lru_cache(maxsize=64)
+def _expression(source: str):
+    return _ENV.compile_expression(source, undefined_to_none=False)
 
 
 def read_rows(path: str) -> list[dict]:
@@ -102,7 +114,8 @@ def read_rows(path: str) -> list[dict]:
         try:
             return pq.read_table(p).to_pylist()
         except Exception as e:
-            raise ValueError(f"data file {path!r} cannot be read: {type(e).__name__}: {e}") from None
+            why = f"{type(e).__name__}: {e}"
+            raise ValueError(f"data file {path!r} cannot be read: {why}") from None
     rows = []  # JSONL: read line by line, so that rows may differ in their types
     for n, line in enumerate(p.read_text().splitlines(), 1):
         if line.strip():
@@ -135,7 +148,8 @@ def _load(path: Path) -> SuiteSpec:
         return SuiteSpec(name=task.name, tasks=(task,))
     extra = set(raw) - {"name", "seed", "tasks"}
     if extra:
-        raise ValueError(f"{path}: unknown suite field(s) {sorted(extra)}; known: name, seed, tasks")
+        known = "name, seed, tasks"
+        raise ValueError(f"{path}: unknown suite field(s) {sorted(extra)}; known: {known}")
     entries = raw["tasks"]
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"{path}: tasks must be a non-empty list of tasks or task files")
@@ -223,11 +237,8 @@ def _validate(t: TaskSpec) -> None:
                 re.compile(t.answer_regex)
             except re.error as e:
                 raise ValueError(f"answer_regex {t.answer_regex!r}: {e}") from None
-        if t.match == "math":
-            try:
-                import math_verify  # noqa: F401  (imported only to see that it is there)
-            except ImportError:
-                raise ValueError("match: math needs math-verify (pip install k3batch[eval])")
+        if t.match == "math" and importlib.util.find_spec("math_verify") is None:
+            raise ValueError("match: math needs math-verify (pip install k3batch[eval])")
     if t.max_len is not None and t.max_len < 2:
         raise ValueError(f"max_len = {t.max_len} must be >= 2")
     if t.limit is not None and t.limit < 1:

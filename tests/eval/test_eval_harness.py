@@ -55,7 +55,7 @@ def test_backend_matches_k3batch_eval(cluster, shallow_ckpt, tmp_path, monkeypat
 
     from k3batch.eval.harness import K3LM
 
-    suite_path = make_mc_suite(tmp_path / "suite", 6, num_fewshot=0)
+    make_mc_suite(tmp_path / "suite", 6, num_fewshot=0)
     docs = tmp_path / "suite" / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": "red cat " * n}) + "\n" for n in (3, 40, 90)))
     (tmp_path / "suite" / "both.yaml").write_text(

@@ -124,8 +124,9 @@ def test_resumed_eval_on_fewer_replicas_writes_identical_results(cluster, shallo
 
 
 @pytest.mark.slow  # two CLI processes; the resume itself is covered by the test above
-def test_driver_killed_mid_eval_then_rerun_gives_identical_results(cluster, shallow_ckpt,
-                                                                    tmp_path, make_job):  # fmt: skip
+def test_driver_killed_mid_eval_then_rerun_gives_identical_results(
+    cluster, shallow_ckpt, tmp_path, make_job
+):
     suite_path = str(Path(__file__).parents[2] / "evals" / "tiny.yaml")
     ref = tmp_path / "ref"  # uninterrupted, two replicas
     run_eval(load_suite(suite_path), make_job(shallow_ckpt, ref, "tiny-ref", replicas=2))

@@ -29,7 +29,8 @@ def _write(tmp_path, text: str, rows=None) -> Path:
     return tmp_path / "s.yaml"
 
 
-MC = "name: t\nkind: multiple_choice\ndata: d.jsonl\nprompt: '{{ q }}'\nchoices: choices\ngold: answer\n"
+MC = ("name: t\nkind: multiple_choice\ndata: d.jsonl\nprompt: '{{ q }}'\nchoices: choices\n"
+      "gold: answer\n")
 
 
 @pytest.mark.parametrize(
@@ -37,7 +38,8 @@ MC = "name: t\nkind: multiple_choice\ndata: d.jsonl\nprompt: '{{ q }}'\nchoices:
     [
         (MC + "promt: x\n", "unknown field.*promt"),
         (MC.replace("d.jsonl", "nothere.jsonl"), "data file .*nothere.jsonl.* does not exist"),
-        (MC.replace("{{ q }}", "{{ question }}"), r"prompt uses \['question'\].*columns: \['answer'"),
+        (MC.replace("{{ q }}", "{{ question }}"),
+         r"prompt uses \['question'\].*columns: \['answer'"),
         (MC.replace("gold: answer", "gold: label"), r"gold uses \['label'\]"),
         (MC.replace("multiple_choice", "ranking"), "kind"),
         (MC + "num_fewshot: 2\n", "num_fewshot = 2 needs fewshot_data"),
@@ -134,3 +136,28 @@ def test_scoring_multiple_choice_and_errors(tmp_path):
     assert records[0]["pred"] == 0 and records[0]["pred_norm"] == 1  # -2/4 < -2.5/8
     assert t["metrics"]["acc"]["value"] == 0.0 and t["metrics"]["acc_norm"]["value"] == 1.0
     assert records[1]["error"] == "boom" and "incomplete" in records[2]["error"]
+
+
+def test_scoring_generations(tmp_path):
+    gen = ("name: g\nkind: generate\ndata: d.jsonl\nprompt: '{{ q }}'\ntarget: ' #### 1,000'\n"
+           "until: ['Q:']\nnum_samples: 3\npass_k: [1, 2]\nanswer_regex: '#### (\\S+)'\n"
+           "ignore: [',']\n")  # fmt: skip
+    suite = load_suite(_write(tmp_path, gen))
+    texts = [" #### 1000 Q: #### 7", " #### 7", " no answer"]
+    rows = [{"id": f"g/000000/{s:03d}", "task": "g", "item": 0, "sub": s, "target": " #### 1,000",
+             "generated_text": t, "output_token_ids": [1], "error": None, "prep_error": None}
+            for s, t in enumerate(texts)]  # fmt: skip
+    results, (rec,) = score(suite, rows, {"g": 1})
+    assert [s["answer"] for s in rec["samples"]] == ["1000", "7", None]
+    assert rec["exact_match"] == pytest.approx(1 / 3) and rec["pass@2"] == pytest.approx(2 / 3)
+    m = results["tasks"]["g"]["metrics"]
+    assert set(m) == {"exact_match", "pass@1", "pass@2"}
+
+
+def test_math_equivalence(tmp_path):
+    pytest.importorskip("math_verify")
+    from k3batch.eval.score import is_match
+
+    text = "name: g\nkind: generate\ndata: d.jsonl\nprompt: x\ntarget: y\nmatch: math\n"
+    (task,) = load_suite(_write(tmp_path, text)).tasks
+    assert is_match(task, "0.5", "1/2") and not is_match(task, "0.4", "1/2")
