@@ -2,18 +2,21 @@
 forward, what is bit-exact and what is within a tolerance, the prefill the prefix cache saves,
 and a driver killed mid-eval.
 
-Numerics (CPU, fp32). A request's scores are bit-identical whatever else runs when each
-forward holds one sequence (max_num_seqs = 1) and the prompt is cut only at multiples of 64
-tokens: then the cached KDA state at a cut is the state the chunked KDA computes there anyway
-(its chunks are 64 tokens), and hit and miss run the same chunks. Two things break bit
-equality, both found by measurement (k3-debug, 93 random layers, which turn 1e-7 into 1e-4):
-- packing: CPU GEMMs (and each expert's grouped GEMM) of 1-3 rows take another kernel than
-  larger ones, so a token's expert output depends on how many rows share its expert in the
-  batch;
-- cuts off the 64-token grid (page_size 16, chunk_size 32): the KDA chunks after the cut are
-  tiled differently, another summation order.
-Each moves a continuation's log-likelihood by up to 3.1e-4 (of 20-45 nats); that is the
-tolerance of the default (packed, page 16) settings, tested here at 1e-3.
+Numerics (CPU, fp32). A request's scores are bit-identical across runs, replica counts and
+resumes when each forward holds one sequence (max_num_seqs = 1) under the same settings (page,
+chunk, prefix cache): its forwards are the same arithmetic, and a prefix-cache hit runs the same
+chunks as a miss. Against one full forward of the whole prompt (k3-debug, 93 random layers,
+which turn 1e-7 into 1e-4), measured:
+- a cut at a multiple of 64 tokens (pages of 64) changes nothing that matters: the chunked
+  KDA works in 64-token chunks anyway, and the CPU grouped GEMM pads groups of 1-3 rows (a
+  GEMM that small takes another kernel; see `k3kernels.moe.grouped_gemm`). So the cache on and
+  off agree with the full forward to ~1e-6, and with each other bit for bit, as long as the
+  chunk after the cut has at least 4 tokens (the dense GEMMs of 1-3 rows are not padded);
+- a cut off the 64-token grid (pages of 16) tiles the KDA chunks after it differently: up to
+  7e-4;
+- packing several sequences into a forward changes the KDA layers' output in the last bits
+  (not pinned down further): 3e-5, and a near-tie of the random router can turn any of these
+  into a flipped expert choice and a difference of nats.
 """
 
 import json
@@ -61,16 +64,15 @@ def _prompts(out: Path) -> dict:
 
 def test_loglik_equals_full_forward_cache_on_and_off(cluster, debug_ckpt, tmp_path, make_job,
                                                      make_mc_suite):  # fmt: skip
-    """Cache off, one sequence per forward, no cut: each choice's log-likelihood is the full
-    forward's within 1e-4 (measured ~1e-6). Cache on with packing (page 16): within 1e-3
-    (measured up to 3e-4; see the module docstring), three of four choices restored."""
+    """One sequence per forward, pages of 64: with the cache off (no cut) and on (the context
+    cut at its last page boundary and restored for each choice), each choice's log-likelihood
+    is the full forward's within 1e-4 (measured ~1e-6), and the two runs' records are the
+    same bytes."""
     suite = load_suite(make_mc_suite(tmp_path / "suite", 2, num_fewshot=1))
     model = k3batch.load_model(debug_ckpt, dtype=torch.float32, device="cpu")
-    settings = {
-        "cache-off": ({"prefix_cache": False}, 1e-4),
-        "cache-on": ({"max_num_seqs": 4, "page_size": 16}, 1e-3),
-    }
-    for name, (engine, tol) in settings.items():
+    settings = {"cache-off": {"prefix_cache": False}, "cache-on": {}}
+    records = {}
+    for name, engine in settings.items():
         out = tmp_path / name
         res = run_eval(suite, make_job(debug_ckpt, out, f"ll-{name}", **engine))
         prompts = _prompts(out)
@@ -82,10 +84,11 @@ def test_loglik_equals_full_forward_cache_on_and_off(cluster, debug_ckpt, tmp_pa
                 choice["_c"] = c
             for choice, (ll, greedy) in zip(rec["choices"], _full_forward_logliks(model, rec)):
                 worst = max(worst, abs(choice["loglik"] - ll))
-                if name == "cache-off":
-                    assert choice["is_greedy"] == greedy
+                assert choice["is_greedy"] == greedy
         print(f"{name}: max |loglik - full forward| = {worst:.2e}")
-        assert worst < tol, name
+        assert worst < 1e-4, name
+        records[name] = (out / "items.jsonl").read_text()
+    assert records["cache-on"] == records["cache-off"]
     cache = res.report.cache[0]["cache"]
     assert cache["prefix_hits"] >= 6 and cache["prefix_hit_tokens"] > 0
 
