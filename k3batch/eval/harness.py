@@ -60,8 +60,11 @@ class K3LM(TemplateLM):
         for i, (_, ctx, cont) in enumerate(requests):
             ids = (ctx + cont)[-self.max_length :]
             rows.append(_row(i, ids, start=len(ids) - len(cont)))
-        out = self._run("loglikelihood", rows)
-        return [(s["loglik"], s["is_greedy"]) for s in map(scored, out)]
+        out = [scored(r) for r in self._run("loglikelihood", rows)]
+        answers = [(s["loglik"], s["is_greedy"]) for s in out]
+        for (key, _, _), answer in zip(requests, answers):  # for lm-eval's use_cache
+            self.cache_hook.add_partial("loglikelihood", key, answer)
+        return answers
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         rows, owner = [], []
@@ -75,6 +78,8 @@ class K3LM(TemplateLM):
         totals = [0.0] * len(requests)
         for i, r in zip(owner, out):
             totals[i] += scored(r)["loglik"]
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
