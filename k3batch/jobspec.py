@@ -12,7 +12,7 @@ accepted where a float is expected, a list where a tuple is.
     model = "out/demo/model"            # checkpoint dir in the official HF layout
     [input]   path, batch_rows, id_column, prompt_column, messages_column, token_ids_column
     [output]  path, logprobs, prompt_logprobs
-    [sampling] temperature, top_p, top_k, seed, max_new_tokens, stop_token_ids, ignore_eos
+    [sampling] temperature, top_p, top_k, seed, max_new_tokens, stop_token_ids, stop, ignore_eos
     [replicas] num_replicas, pp, pp_layers, tp, dcp, device, num_gpus, accelerator_type,
                max_inflight_rows, max_retries, wait_timeout_s
     [engine]  max_num_seqs, max_seq_len, chunk_size, max_batch_tokens, page_size, memory_pool,
@@ -39,9 +39,10 @@ from k3batch.model.config import K3Config
 from k3batch.parallel.pipeline import split_layers
 
 # Per-row sampling overrides: input columns with these names, when present, win over [sampling].
-# prompt_logprobs_start: score only the prompt tokens from this position on (a continuation).
+# prompt_logprobs_start: score only the prompt tokens from this position on (a continuation);
+# stop: a list of stop strings.
 ROW_SAMPLING_COLUMNS = (
-    "temperature", "top_p", "top_k", "seed", "max_new_tokens", "prompt_logprobs_start",
+    "temperature", "top_p", "top_k", "seed", "max_new_tokens", "prompt_logprobs_start", "stop",
 )
 
 

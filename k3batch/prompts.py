@@ -96,6 +96,10 @@ def row_sampling(defaults: SamplingParams, values: dict[str, object]) -> Samplin
 
 
 def _coerce(name: str, value):
+    if name == "stop":
+        if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+            raise ValueError(f"stop = {value!r} must be a list of non-empty strings")
+        return tuple(value)
     if isinstance(value, decimal.Decimal) and value.is_finite():
         value = float(value)
     if isinstance(value, float) and name in _INT_FIELDS and value.is_integer():

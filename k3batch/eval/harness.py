@@ -9,8 +9,9 @@ its own folder under job.output.path, named by the call's kind and a hash of its
 rerun of the same evaluation finds the shards an interrupted run committed and runs only the
 rest. Requests are built as `k3batch eval` builds them (`requests.py`: the same tokenization,
 the same rolling windows), so the two give the same log-likelihoods. Contexts longer than the
-model's window keep their last tokens. `generate_until` honours `until` (the text is cut before
-the first stop string) and `max_gen_toks`; `do_sample` / `temperature` pick the sampling.
+model's window keep their last tokens. `generate_until` honours `until` (the engine stops at the
+first token whose text completes a stop string, and the text is cut before it) and
+`max_gen_toks`; `do_sample` / `temperature` pick the sampling.
 """
 
 import hashlib
@@ -96,7 +97,7 @@ class K3LM(TemplateLM):
             ids = ids[-max(self.max_length - max_gen, 1) :]  # room for the completion
             seed = sample_seed(self.seed, "", i, 0)
             rows.append(_row(i, ids, start=len(ids), max_new_tokens=max_gen,
-                             temperature=temperature, seed=seed))  # fmt: skip
+                             temperature=temperature, seed=seed, stop=until or None))  # fmt: skip
             untils.append(until)
         out = self._run("generate_until", rows)
         texts = [cut(r["generated_text"], u) for r, u in zip(out, untils)]
@@ -122,10 +123,10 @@ class K3LM(TemplateLM):
 
 
 def _row(i: int, ids: list[int], *, start: int, max_new_tokens: int = 1, temperature: float = 0.0,
-         seed: int | None = None) -> dict:  # fmt: skip
+         seed: int | None = None, stop: list[str] | None = None) -> dict:  # fmt: skip
     return {"id": f"{i:09d}", "task": "lm-eval", "item": i, "sub": 0, "prompt_token_ids": ids,
             "prompt_logprobs_start": start, "max_new_tokens": max_new_tokens,
-            "temperature": temperature, "seed": seed}  # fmt: skip
+            "temperature": temperature, "seed": seed, "stop": stop}  # fmt: skip
 
 
 def write_lm_eval_results(results: dict, out: str) -> str:

@@ -5,7 +5,9 @@ engine's own prompt log-probabilities or completions.
   `prompt_logprobs_start` = len(context) on. The context of every choice is the same token
   sequence, so the prefix cache shares it (and the few-shot examples shared by all items).
 - generate: one row per sample, prompt = context, `max_new_tokens` = max_gen_toks, a seed per
-  (suite seed, task, item, sample), nothing scored in the prompt.
+  (suite seed, task, item, sample), `stop` = the task's `until` (the engine stops a completion
+  at the first token whose text completes one; scoring cuts the text before it), nothing
+  scored in the prompt.
 - rolling log-likelihood: one row per window of a document, each scoring the tokens not scored
   before with the window's earlier tokens as context (`rolling_windows`).
 
@@ -34,6 +36,7 @@ SCHEMA = pa.schema(
         ("max_new_tokens", pa.int32()),
         ("temperature", pa.float64()),
         ("seed", pa.int64()),
+        ("stop", pa.list_(pa.string())),  # generate: the stop strings (the engine stops there)
         ("gold", pa.int32()),  # multiple choice: the gold choice's index
         ("choice_bytes", pa.int32()),  # multiple choice: UTF-8 bytes of the continuation
         ("target", pa.string()),  # generate: the gold answer text
@@ -143,7 +146,7 @@ def _item_rows(task, seed, i, item, head, tok, max_seq_len) -> list[dict]:
         return [
             _row(task, i, s, ids, start=len(ids), max_new_tokens=task.max_gen_toks,
                  temperature=task.temperature, seed=sample_seed(seed, task.name, i, s),
-                 target=target)  # fmt: skip
+                 stop=list(task.until) or None, target=target)  # fmt: skip
             for s in range(task.num_samples)
         ]
     text = render(task.prompt, item)
@@ -164,7 +167,7 @@ def _check_len(n: int, max_seq_len: int) -> None:
 
 
 def _row(task, item, sub, ids, *, start=None, max_new_tokens=1, temperature=0.0, seed=None,
-         gold=None, choice_bytes=None, target=None, num_bytes=None,
+         stop=None, gold=None, choice_bytes=None, target=None, num_bytes=None,
          prep_error=None) -> dict:  # fmt: skip
     return {
         "id": f"{task.name}/{item:06d}/{sub:03d}",
@@ -176,6 +179,7 @@ def _row(task, item, sub, ids, *, start=None, max_new_tokens=1, temperature=0.0,
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "seed": seed,
+        "stop": stop,
         "gold": gold,
         "choice_bytes": choice_bytes,
         "target": target,

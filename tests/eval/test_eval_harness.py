@@ -5,6 +5,7 @@ data made here, offline): its log-likelihoods equal `k3batch eval`'s for the sam
 
 import json
 
+import pyarrow.parquet as pq
 import pytest
 
 from k3batch.eval import load_suite, run_eval
@@ -88,19 +89,33 @@ def test_backend_matches_k3batch_eval(cluster, shallow_ckpt, tmp_path, monkeypat
         assert "e" not in s["resps"][0][0]
     raw = _raw_generations(tmp_path / "lm")
     assert raw and all(len(ids) <= 5 for _, ids in raw)  # max_gen_toks
-    # until cuts: stop at a character the uncut completion has, and it ends just before it
-    text = next(t for t, _ in raw if len(t.strip()) >= 2)
-    stop = text.strip()[1]
+    # until: the engine stops at the token that completes the stop string, the text is cut
     prompt = json.loads((tmp_path / "suite" / "items.jsonl").read_text().splitlines()[0])
     ctx = f"Question: {prompt['question']}\nAnswer:"
-    (got,) = lm.generate_until([Instance("generate_until", {}, (ctx, {"until": [stop],
-                                                                      "max_gen_toks": 5}), 0)])
-    assert stop not in got and len(got) < 5 * 4
+
+    def generate(until):
+        (text,) = lm.generate_until([Instance("generate_until", {}, (ctx, {"until": until,
+                                                                           "max_gen_toks": 8}), 0)])
+        return text
+
+    free = generate([])
+    stop = next(c for c in free[1:4] if c.isascii() and c.isprintable() and c != " ")
+    got = generate([stop])
+    assert got == free[: free.index(stop)]
+    (row,) = pq.read_table(_job_dir(tmp_path / "lm", stop) / "records").to_pylist()
+    assert row["finish_reason"] == "stop" and len(row["output_token_ids"]) < 8
+
+
+def _job_dir(folder, stop):
+    """The folder of the generate_until job whose request stops at `stop`."""
+    for out in folder.glob("generate_until-*"):
+        rows = pq.read_table(out / "requests.parquet").to_pylist()
+        if len(rows) == 1 and rows[0]["stop"] == [stop]:
+            return out
+    raise AssertionError(f"no generate_until job with stop {stop!r}")
 
 
 def _raw_generations(folder):
-    import pyarrow.parquet as pq
-
     (out,) = folder.glob("generate_until-*")
     rows = pq.read_table(out / "records").to_pylist()
     return [(r["generated_text"], r["output_token_ids"]) for r in rows]
