@@ -9,11 +9,12 @@ STAMP   := $(VENV)/.installed
 setup: $(STAMP)
 
 # torch==2.13.0 resolves to the local CPU build here; it must come first so that nothing
-# pulls the multi-GB CUDA build.
+# pulls the multi-GB CUDA build. The `eval` extra (lm-eval and its pinned transformers and
+# datasets, math-verify) is installed so that the lm-eval backend test runs in CI.
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[fla,test]'
+	$(BIN)/pip install -q -e '.[fla,test,eval]'
 	touch $(STAMP)
 
 demo: setup

@@ -150,6 +150,62 @@ def run(job, **flags):
         raise SystemExit(2)
 
 
+# The job fields an eval takes from flags (its input and sampling are its own).
+_EVAL_SECTIONS = ("model", "name", "address", "output.path", "input.batch_rows", "replicas",
+                  "engine")  # fmt: skip
+
+
+def _eval_options(fn):
+    for flag, field, typ, help_ in reversed(_RUN_FLAGS):
+        if field.startswith(_EVAL_SECTIONS):
+            dest = field.replace(".", "__")
+            fn = click.option(flag, dest, type=typ, default=None, help=help_)(fn)
+    flag = "--prefix-cache/--no-prefix-cache"
+    return click.option(flag, "engine__prefix_cache", default=None)(fn)
+
+
+@main.command("eval")
+@click.argument("suite", required=False, type=click.Path(dir_okay=False))
+@click.option("--lm-eval", "lm_eval_tasks", default=None,
+              help="Comma-separated lm-eval tasks from its registry (pip install k3batch[eval]).")
+@click.option("--include-path", default=None, help="With --lm-eval: a folder of task YAMLs.")
+@click.option("--num-fewshot", type=int, default=None, help="With --lm-eval.")
+@click.option("--limit", type=int, default=None, help="The first LIMIT items of each task.")
+@click.option("--seed", type=int, default=None, help="Sampling seed (default: the suite's).")
+@click.option("--job", "job_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A job spec: its model, address, [replicas] and [engine] are used.")
+@_eval_options
+def eval_cmd(suite, lm_eval_tasks, include_path, num_fewshot, limit, seed, job_file, **flags):
+    """Evaluate a model on SUITE (a task YAML, see evals/) or on lm-eval tasks, as a batch job:
+    results.json and per-item records under --output; a rerun resumes."""
+    from k3batch.jobspec import JobSpec, load_job_spec, with_overrides
+
+    if (suite is None) == (lm_eval_tasks is None):
+        raise click.UsageError("give a SUITE file or --lm-eval TASKS")
+    try:
+        spec = load_job_spec(job_file) if job_file else JobSpec(name="k3batch-eval")
+        spec = with_overrides(spec, {k.replace("__", "."): v for k, v in flags.items()})
+        if not spec.output.path:
+            raise ValueError("output.path: no output given (--output)")
+        if suite is None:
+            from k3batch.eval.harness import run_lm_eval, write_lm_eval_results
+
+            tasks = [t for t in lm_eval_tasks.split(",") if t]
+            results = run_lm_eval(tasks, spec, include_path=include_path,
+                                  num_fewshot=num_fewshot, limit=limit, seed=seed or 0)  # fmt: skip
+            click.echo(write_lm_eval_results(results, spec.output.path))
+            return
+        from k3batch.eval import load_suite, run_eval
+
+        result = run_eval(load_suite(suite, limit=limit, seed=seed), spec)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(result.summary())
+    click.echo(f"results: {spec.output.path}/results.json")
+    if not result.report.is_complete:
+        raise SystemExit(2)
+
+
 @main.group()
 def bench():
     """Benchmarks: they print numbers (and save them with --json)."""

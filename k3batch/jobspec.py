@@ -12,7 +12,7 @@ accepted where a float is expected, a list where a tuple is.
     model = "out/demo/model"            # checkpoint dir in the official HF layout
     [input]   path, batch_rows, id_column, prompt_column, messages_column, token_ids_column
     [output]  path, logprobs, prompt_logprobs
-    [sampling] temperature, top_p, top_k, seed, max_new_tokens, stop_token_ids, ignore_eos
+    [sampling] temperature, top_p, top_k, seed, max_new_tokens, stop_token_ids, stop, ignore_eos
     [replicas] num_replicas (N or {min, max}), pp, pp_layers, tp, dcp, device, num_gpus,
                accelerator_type, gpus_per_node, max_inflight_rows, max_retries, wait_timeout_s
     [engine]  max_num_seqs, max_seq_len, chunk_size, max_batch_tokens, page_size, memory_pool,
@@ -39,7 +39,11 @@ from k3batch.model.config import K3Config
 from k3batch.parallel.pipeline import split_layers
 
 # Per-row sampling overrides: input columns with these names, when present, win over [sampling].
-ROW_SAMPLING_COLUMNS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
+# prompt_logprobs_start: score only the prompt tokens from this position on (a continuation);
+# stop: a list of stop strings.
+ROW_SAMPLING_COLUMNS = (
+    "temperature", "top_p", "top_k", "seed", "max_new_tokens", "prompt_logprobs_start", "stop",
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -214,11 +218,12 @@ def job_spec_from_dict(raw: dict, *, source: str = "job spec") -> JobSpec:
     return JobSpec(**kw)
 
 
-def check_types(raw: dict, *, source: str = "job spec") -> pydantic.BaseModel:
-    """Check every field of a nested job-spec dict against its annotation; the checked model (lists
-    become tuples where a tuple is declared). ValueError lists each bad field with its value."""
+def check_types(raw: dict, *, source: str = "job spec", cls=None) -> pydantic.BaseModel:
+    """Check every field of a nested dict against the annotations of dataclass `cls` (default
+    JobSpec); the checked model (lists become tuples where a tuple is declared). ValueError lists
+    each bad field with its value."""
     try:
-        return _schema(JobSpec).model_validate(raw)
+        return _schema(cls or JobSpec).model_validate(raw)
     except pydantic.ValidationError as e:
         bad: dict[str, list[str]] = {}  # one entry per field: a union's branches are joined
         for err in e.errors():

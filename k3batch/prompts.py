@@ -85,7 +85,7 @@ def prepare_rows(
     return out
 
 
-_INT_FIELDS = ("top_k", "seed", "max_new_tokens")
+_INT_FIELDS = ("top_k", "seed", "max_new_tokens", "prompt_logprobs_start")
 
 
 def row_sampling(defaults: SamplingParams, values: dict[str, object]) -> SamplingParams:
@@ -96,6 +96,10 @@ def row_sampling(defaults: SamplingParams, values: dict[str, object]) -> Samplin
 
 
 def _coerce(name: str, value):
+    if name == "stop":
+        if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+            raise ValueError(f"stop = {value!r} must be a list of non-empty strings")
+        return tuple(value)
     if isinstance(value, decimal.Decimal) and value.is_finite():
         value = float(value)
     if isinstance(value, float) and name in _INT_FIELDS and value.is_integer():

@@ -23,7 +23,7 @@ from k3batch.engine.engine import Engine
 from k3batch.engine.request import SamplingParams
 from k3batch.jobspec import InputSpec, JobSpec, OutputSpec, ReplicaSpec
 from k3batch.model.weights import init_checkpoint
-from k3batch.prompts import prepare_rows
+from k3batch.prompts import prepare_rows, row_sampling
 
 NAN, INF = math.nan, math.inf
 GREEDY = SamplingParams(temperature=0, max_new_tokens=2)
@@ -326,3 +326,10 @@ def test_poison_job_runs_to_completion(cluster, model_dir, tmp_path):
         assert report.replica_failures == 0 and report.rows_retried == 0
         assert report.rows_with_error == sum(w is not None for _, w in expected)
         assert not report.unreadable_inputs
+
+
+def test_stop_column_takes_lists_of_strings():
+    assert row_sampling(GREEDY, {"stop": ["\n\n", "Q:"]}).stop == ("\n\n", "Q:")
+    for bad in ("\n", [""], [1], [["x"]], {"s": "x"}):
+        with pytest.raises(ValueError, match="stop = "):
+            row_sampling(GREEDY, {"stop": bad})

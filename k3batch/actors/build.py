@@ -1,6 +1,8 @@
 """The engine factory: an engine on this device, or a disaggregated one whose prefill stages and
 decode ranks are actors (Ray). Used by the replica actor and by `k3batch generate`."""
 
+import functools
+
 import torch
 
 from k3batch.engine.config import EngineConfig
@@ -43,9 +45,10 @@ def build_engine(
         torch.set_num_threads(1)
     tokenizer = Tokenizer.from_dir(model_dir)
     stops = tuple(tokenizer.stop_token_ids) or None
+    text = dict(eos_token_ids=stops, stop_check=functools.partial(_has_stop, tokenizer))
     if pp == 1 and tp == 1:
         model = load_model(model_dir, dtype=dtype, device=device)
-        return Engine(model, engine_config, eos_token_ids=stops), tokenizer
+        return Engine(model, engine_config, **text), tokenizer
     from k3batch.actors.decode import DecodeGroupRunner
     from k3batch.actors.pipeline import PipelineRunner
     from k3batch.parallel.group import ParallelLayout
@@ -68,5 +71,14 @@ def build_engine(
             model_dir, layout, placement_group=placement_group, first_bundle=1 + pp,
             gpus_per_rank=gpus, **shared,
         )
-    engine = Engine(None, engine_config, runner=runner, decode_runner=decode, eos_token_ids=stops)
+    engine = Engine(None, engine_config, runner=runner, decode_runner=decode, **text)
     return engine, tokenizer
+
+
+def _has_stop(tokenizer: Tokenizer, strings, ids: list[int]) -> bool:
+    """Whether the text of `ids` holds one of `strings`. Only a match that takes in the last
+    token is new (an earlier one would have stopped the request), so the tail decoded is as
+    many tokens as the longest string has bytes (a token spells at least one byte), plus a few
+    for a character cut across tokens at its start."""
+    tail = tokenizer.decode(ids[-(max(len(s.encode()) for s in strings) + 4) :])
+    return any(s in tail for s in strings)

@@ -151,9 +151,9 @@ class ReplicaActor:
     async def take_results(self, max_wait_s: float = 1.0) -> tuple[str, list[dict]]:
         """(instance id, the rows finished since the last call), waiting up to `max_wait_s`
         for at least one row: dicts with key, generated_text, output_token_ids, finish_reason,
-        num_prompt_tokens, num_output_tokens, error, and output_logprobs / prompt_logprobs
-        when asked for. A new instance id means the actor restarted: rows submitted to an
-        earlier instance are lost, and the caller resubmits them."""
+        num_prompt_tokens, num_output_tokens, error, and output_logprobs / prompt_logprobs and
+        prompt_greedy when asked for. A new instance id means the actor restarted: rows
+        submitted to an earlier instance are lost, and the caller resubmits them."""
         if self._wake_loop is not asyncio.get_running_loop():
             self._wake, self._wake_loop = asyncio.Event(), asyncio.get_running_loop()
         self._wake.clear()  # before looking: a row appended after the look sets it again
@@ -220,4 +220,5 @@ class ReplicaActor:
             row["output_logprobs"] = res.output_logprobs
         if res.prompt_logprobs is not None:
             row["prompt_logprobs"] = res.prompt_logprobs
+            row["prompt_greedy"] = res.prompt_greedy
         return row

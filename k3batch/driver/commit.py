@@ -26,7 +26,7 @@ class Committer:
             n
             for n in RESULT_TYPES
             if (n != "output_logprobs" or spec.output.logprobs)
-            and (n != "prompt_logprobs" or spec.output.prompt_logprobs)
+            and (n not in ("prompt_logprobs", "prompt_greedy") or spec.output.prompt_logprobs)
         ]
 
     def maybe_commit(self, state: OpenUnit) -> bool:

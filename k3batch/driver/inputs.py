@@ -29,6 +29,7 @@ RESULT_TYPES = {
     "error": pa.string(),
     "output_logprobs": pa.list_(pa.float32()),
     "prompt_logprobs": pa.list_(pa.float32()),
+    "prompt_greedy": pa.list_(pa.bool_()),  # with prompt_logprobs: each token the argmax
 }
 
 

@@ -49,10 +49,13 @@ class Engine:
         runner=None,
         decode_runner=None,
         eos_token_ids: tuple[int, ...] | None = None,
+        stop_check=None,
     ):
         """model: a K3Model run on its own device; or None with a `runner` (a pipeline).
         decode_runner: a separate decode group; requests are handed off to it when their
-        prompt is done, and prefill and decode batches then run at the same time."""
+        prompt is done, and prefill and decode batches then run at the same time.
+        stop_check(stop strings, output token ids) -> bool: whether the output's text holds one
+        of the strings (the caller knows the tokenizer); needed for requests with `stop`."""
         self.config = config = (config or EngineConfig()).validate()
         self.runner = runner or LocalRunner(model, config)
         self.decode_runner = decode_runner
@@ -63,6 +66,7 @@ class Engine:
         mcfg = self.runner.config
         self.vocab_size = mcfg.vocab_size
         self.eos_token_ids = tuple(eos_token_ids or (mcfg.eos_token_id,))
+        self.stop_check = stop_check
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._seeds: dict[str, int] = {}  # request -> its seed (drawn when none is given)
@@ -112,6 +116,8 @@ class Engine:
             req.sampling.validate()
         except ValueError as e:
             return str(e)
+        if req.sampling.stop and self.stop_check is None:
+            return "stop strings need an engine with a stop_check (a tokenizer)"
         ids = req.prompt_token_ids
         if not ids:
             return "empty prompt"
@@ -428,7 +434,7 @@ class Engine:
         if p.logprobs:
             req.output_logprobs.append(logprob)
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-        if tok in stops:
+        if tok in stops or (p.stop and self.stop_check(p.stop, req.output_token_ids)):
             req.finish_reason = "stop"
         elif len(req.output_token_ids) >= p.max_new_tokens or (
             len(req.all_token_ids) >= self.config.max_seq_len

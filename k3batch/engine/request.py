@@ -19,6 +19,9 @@ class SamplingParams:
     seed: int | None = None  # per-request generator: same seed, same tokens, whatever the batch
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's end-of-sequence ids
+    # Stop strings: the request finishes once its output text contains one (the engine asks its
+    # `stop_check`, which the caller that knows the tokenizer supplies; the text is not cut).
+    stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False  # log p of each output token (raw model distribution)
     prompt_logprobs: bool = False  # log p of each prompt token given its prefix (first: None)
@@ -53,6 +56,10 @@ class SamplingParams:
             is_int(t) for t in self.stop_token_ids
         ):
             raise ValueError(f"stop_token_ids = {self.stop_token_ids!r} must be integers")
+        if not isinstance(self.stop, tuple | list) or not all(
+            isinstance(s, str) and s for s in self.stop
+        ):
+            raise ValueError(f"stop = {self.stop!r} must be non-empty strings")
         for name in ("ignore_eos", "logprobs", "prompt_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} = {getattr(self, name)!r} must be true or false")

@@ -7,6 +7,12 @@ CUDA kernel is bf16 on sm90+ (other dtypes take a fallback that copies `offs` to
 Where those do not hold (fp32 on CUDA, old torch, odd widths), a plain loop over the groups
 runs instead; it reads the group ends on the host (one sync).
 Rows after offs[-1] are left unwritten (uninitialized): callers must not read them.
+Batch invariance on CPU: a CPU GEMM of 1 to 3 rows takes another kernel (another summation
+order) than a larger one, so a row's result would depend on how many rows share its expert in
+the batch. On CPU every group is therefore padded to at least `CPU_MIN_ROWS` rows (zeros, on
+the device, no host read) before `torch._grouped_mm`: a prompt scored alone, packed with others
+or resumed after a prefix-cache hit gets the same expert outputs, bit for bit, which the eval's
+exact scoring needs (`tests/kernels/test_moe.py` checks it).
 
 Tile size: torch's CUTLASS dispatch picks 128 x 256 tiles when rows / groups > 128 and 64 x 128
 tiles otherwise. K3-slice prefill has 16,384 slots over 112 experts, ~146 rows per group, so each
@@ -20,6 +26,8 @@ Shape legend: M sorted rows, K input width, N output width, E experts.
 """
 
 import torch
+
+CPU_MIN_ROWS = 4  # CPU GEMMs of at least this many rows give each row the same bits
 
 
 def grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, *,
@@ -35,9 +43,27 @@ def grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, *,
             part_offs = offs_E.clamp(min=lo, max=hi) - lo  # this part's rows of each group
             parts.append(grouped_mm(x_MK[lo:hi], w_ENK, part_offs.to(torch.int32)))
         return torch.cat(parts)
-    if _has_fast_path(x_MK, w_ENK):
-        return torch._grouped_mm(x_MK, w_ENK.transpose(-2, -1), offs=offs_E)
-    return grouped_mm_loop(x_MK, w_ENK, offs_E)
+    if not _has_fast_path(x_MK, w_ENK):
+        return grouped_mm_loop(x_MK, w_ENK, offs_E)
+    if x_MK.device.type == "cpu":
+        x_PK, offs_E, pos_M = _pad_groups(x_MK, offs_E)
+        return torch._grouped_mm(x_PK, w_ENK.transpose(-2, -1), offs=offs_E)[pos_M]
+    return torch._grouped_mm(x_MK, w_ENK.transpose(-2, -1), offs=offs_E)
+
+
+def _pad_groups(x_MK, offs_E):
+    """x with every group padded to at least CPU_MIN_ROWS rows, the padded group ends and each
+    row's position (P = M + CPU_MIN_ROWS * E rows). Rows after offs[-1] follow the last group."""
+    offs = offs_E.long()
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    padded = counts.clamp(min=CPU_MIN_ROWS)
+    padded_offs = torch.cumsum(padded, 0)
+    rows = torch.arange(x_MK.shape[0], device=x_MK.device)
+    group = torch.searchsorted(offs, rows, right=True).clamp(max=offs.shape[0] - 1)
+    pos = rows + (padded_offs - padded - offs + counts)[group]
+    x_PK = x_MK.new_zeros(x_MK.shape[0] + CPU_MIN_ROWS * offs.shape[0], x_MK.shape[1])
+    x_PK[pos] = x_MK
+    return x_PK, padded_offs.to(torch.int32), pos
 
 
 def grouped_mm_loop(x_MK, w_ENK, offs_E):

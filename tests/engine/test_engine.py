@@ -139,6 +139,27 @@ def test_eos_stops_unless_ignored(model_factory):
     assert r.finish_reason == "stop" and r.output_token_ids == greedy.output_token_ids[:2]
 
 
+def test_stop_strings_stop_at_the_token_that_completes_one(model_factory):
+    """The engine asks its stop_check (here: each token id spells one letter) after every token
+    of a request with stop strings; without a stop_check such a request is an error."""
+    model = model_factory("kimi-linear-debug")
+    p = [_prompt(6, 3)]
+    free = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    greedy = Engine(model, EngineConfig(max_seq_len=64)).generate(p, free)[0].output_token_ids
+    spell = lambda ids: "".join(chr(97 + t % 26) for t in ids)  # noqa: E731
+    stop = spell(greedy[2:4])  # completed by the fourth token at the latest
+    n = next(i for i in range(1, 5) if stop in spell(greedy[:i]))
+    eng = Engine(model, EngineConfig(max_seq_len=64),
+                 stop_check=lambda strings, ids: any(s in spell(ids) for s in strings))  # fmt: skip
+    (r,) = eng.generate(p, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True,
+                                          stop=(stop, "never")))  # fmt: skip
+    assert r.finish_reason == "stop" and r.output_token_ids == greedy[:n]
+    (bad,) = Engine(model, EngineConfig(max_seq_len=64)).generate(
+        p, SamplingParams(max_new_tokens=2, stop=("x",))
+    )
+    assert bad.finish_reason == "error" and "stop_check" in bad.error
+
+
 def test_bad_requests_get_errors_and_others_go_on(model_factory):
     model = model_factory("kimi-linear-debug")
     eng = Engine(model, EngineConfig(max_seq_len=32))

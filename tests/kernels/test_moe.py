@@ -198,6 +198,19 @@ def test_grouped_mm_matches_loop(dtype):
         assert_close(f"grouped_mm_{parts}", ref[:17].float(), out[:17].float(), rel_rms=1e-6)
 
 
+def test_grouped_mm_rows_do_not_depend_on_their_group_size():
+    """CPU: a row's product is the same bits alone in its group, in a group of 2 or 3, or in a
+    large one (small groups are padded; see grouped_gemm's module doc)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(12, 32, generator=g)
+    w = torch.randn(4, 48, 32, generator=g)
+    big = grouped_mm(x, w, torch.tensor([0, 0, 12, 12], dtype=torch.int32))  # all in expert 2
+    for ends in ([1, 3, 6, 12], [2, 2, 5, 12], [0, 1, 4, 9]):  # groups of 1, 2, 3 rows
+        offs = torch.tensor(ends, dtype=torch.int32)
+        out = grouped_mm(x, w[[2, 2, 2, 2]], offs)  # every group is expert 2's weight
+        assert torch.equal(out[: ends[-1]], big[: ends[-1]]), ends
+
+
 @pytest.mark.parametrize("shape", TINY.values(), ids=TINY.keys())
 def test_fused_experts_torch_path_matches_reference(shape):
     _check_experts(shape, torch.float32, "cpu", use_triton=False)
