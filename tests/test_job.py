@@ -203,26 +203,31 @@ def test_two_replicas_share_the_stream_with_bounded_memory(cluster, job_model_di
 # Greedy tokens are compared bit for bit across runs whose batches are composed differently
 # (timing, retries, kills). Batched fp32 math is not batch-invariant (a GEMM's summation order
 # depends on its row count) and the random model has near-ties, so these runs decode one
-# sequence at a time (max_num_seqs = 1), which makes every row's arithmetic identical.
-def _reference(model_dir, inp, tmp_path):
-    run_job(
-        _spec(
-            model_dir,
-            inp,
-            tmp_path / "ref",
-            name="ref",
-            batch_rows=3,
-            max_new_tokens=6,
-            max_num_seqs=1,
-        )
-    )
-    return {r["id"]: r["output_token_ids"] for r in pq.read_table(tmp_path / "ref").to_pylist()}
+# sequence at a time (max_num_seqs = 1), which makes every row's arithmetic identical: a row's
+# tokens depend on its prompt alone, so one reference run serves every test below.
+NUM_REF_ROWS = 24
 
 
-def test_replica_death_is_retried(cluster, job_model_dir, tmp_path):
+def _write_rows(path, num_rows):
+    """The first num_rows rows (ids r0, r1, ...) of the input the reference run reads."""
+    ids = [f"r{i}" for i in range(num_rows)]
+    pq.write_table(pa.table({"id": ids, "prompt": _prompts(NUM_REF_ROWS, 5)[:num_rows]}), path)
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, job_model_dir, tmp_path_factory):
+    """id -> greedy tokens of an uninterrupted pp = tp = 1 run over NUM_REF_ROWS rows."""
+    tmp = tmp_path_factory.mktemp("ref")
+    _write_rows(tmp / "in.parquet", NUM_REF_ROWS)
+    spec = _spec(job_model_dir, tmp / "in.parquet", tmp / "ref", name="ref", batch_rows=3,
+                 max_new_tokens=6, max_num_seqs=1)  # fmt: skip
+    run_job(spec)
+    return {r["id"]: r["output_token_ids"] for r in pq.read_table(tmp / "ref").to_pylist()}
+
+
+def test_replica_death_is_retried(cluster, job_model_dir, reference, tmp_path):
     inp = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"id": [f"r{i}" for i in range(24)], "prompt": _prompts(24, 5)}), inp)
-    ref = _reference(job_model_dir, inp, tmp_path)
+    _write_rows(inp, NUM_REF_ROWS)
     spec = _spec(
         job_model_dir,
         inp,
@@ -253,15 +258,17 @@ def test_replica_death_is_retried(cluster, job_model_dir, tmp_path):
     t.join()
     assert report.replica_failures >= 1
     rows = pq.read_table(tmp_path / "out").to_pylist()
-    assert all(r["output_token_ids"] == ref[r["id"]] for r in rows)
-    assert sorted(r["id"] for r in rows) == sorted(ref)
-    assert all(r["output_token_ids"] == ref[r["id"]] for r in rows)
+    assert sorted(r["id"] for r in rows) == sorted(reference)
+    assert all(r["output_token_ids"] == reference[r["id"]] for r in rows)
 
 
-def test_resume_after_driver_sigkill(cluster, job_model_dir, tmp_path):
-    inp = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"id": [f"r{i}" for i in range(30)], "prompt": _prompts(30, 7)}), inp)
-    ref = _reference(job_model_dir, inp, tmp_path)
+def _shards(out) -> int:
+    return len(list(out.glob("*.parquet"))) if out.is_dir() else 0
+
+
+def test_resume_after_driver_sigkill(cluster, job_model_dir, reference, tmp_path):
+    inp, out = tmp_path / "in.parquet", tmp_path / "out"
+    _write_rows(inp, NUM_REF_ROWS)
     job = tmp_path / "job.toml"
     job.write_text(f"""
 name = "sigkill"
@@ -270,7 +277,7 @@ model = "{job_model_dir}"
 path = "{inp}"
 batch_rows = 3
 [output]
-path = "{tmp_path / "out"}"
+path = "{out}"
 [sampling]
 temperature = 0.0
 max_new_tokens = 6
@@ -282,18 +289,24 @@ max_num_seqs = 1
 max_seq_len = 128
 chunk_size = 64
 """)
-    assert load_job_spec(job).input.batch_rows == 3
     cmd = [sys.executable, "-m", "k3batch.cli", "run", str(job), "--address", cluster.gcs_address]
-    rng = random.Random(0)
+    # Each run is killed as soon as it has committed a unit of its own (8 units in all), while
+    # the rows of its next units are in flight: they are lost and must be generated again.
     for _ in range(2):
+        before = _shards(out)
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(3.0, 12.0))
+        deadline = time.monotonic() + 300
+        while _shards(out) == before:
+            assert proc.poll() is None, f"the run exited ({proc.returncode}) before committing"
+            assert time.monotonic() < deadline, "the run committed nothing in 300 s"
+            time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
-    rows = pq.read_table(tmp_path / "out").to_pylist()
-    assert sorted(r["id"] for r in rows) == sorted(ref)  # every id exactly once
-    assert all(r["output_token_ids"] == ref[r["id"]] for r in rows)
+    assert _shards(out) < NUM_REF_ROWS // 3
+    assert run_job(load_job_spec(job)).is_complete  # the last run here: no new driver process
+    rows = pq.read_table(out).to_pylist()
+    assert sorted(r["id"] for r in rows) == sorted(reference)  # every id exactly once
+    assert all(r["output_token_ids"] == reference[r["id"]] for r in rows)
 
 
 def test_job_submitted_through_ray_jobs_completes(cluster, job_model_dir, tmp_path):
@@ -318,10 +331,11 @@ def test_job_submitted_through_ray_jobs_completes(cluster, job_model_dir, tmp_pa
 
 
 @pytest.mark.parametrize("pp,tp,dcp", [(4, 1, 1), (4, 2, 2)], ids=["pp4", "pp4-tp2-dcp2"])
-def test_parallel_job_writes_the_same_tokens(cluster, job_model_dir, tmp_path, pp, tp, dcp):
+def test_parallel_job_writes_the_same_tokens(
+    cluster, job_model_dir, reference, tmp_path, pp, tp, dcp
+):
     inp = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"id": [f"r{i}" for i in range(8)], "prompt": _prompts(8, 11)}), inp)
-    ref = _reference(job_model_dir, inp, tmp_path)
+    _write_rows(inp, 8)
     spec = _spec(
         job_model_dir,
         inp,
@@ -336,7 +350,8 @@ def test_parallel_job_writes_the_same_tokens(cluster, job_model_dir, tmp_path, p
     )
     report = run_job(spec)
     rows = pq.read_table(tmp_path / "out").to_pylist()
-    assert {r["id"]: r["output_token_ids"] for r in rows} == ref
+    want = {f"r{i}": reference[f"r{i}"] for i in range(8)}
+    assert {r["id"]: r["output_token_ids"] for r in rows} == want
     (pipe,) = report.pipeline
     assert len(pipe["busy"]) == pp and 0 <= pipe["bubble"] < 1
     if tp > 1:
