@@ -23,6 +23,7 @@ from k3batch.model import K3Model, get_flavor  # noqa: E402
 from k3batch.model.init import init_random_  # noqa: E402
 from k3batch.model.weights import write_checkpoint  # noqa: E402
 from k3batch.submit import _client  # noqa: E402
+from k3batch.testing import K3_MINI  # noqa: E402
 
 # Without a GPU, Triton kernels run through Triton's interpreter (tiny shapes), so CI checks every
 # kernel against its reference. Read when a kernel is decorated: set before any kernel import.
@@ -48,26 +49,12 @@ def model_factory():
     return get
 
 
-# The model of the tests that run whole jobs (driver, replicas, their stages and ranks): k3-debug
-# cut to the 8-layer schedule of k3-slice (KDA, KDA, KDA, MLA, twice) in AttnRes blocks of 4, so
-# that pp = 4 cuts both inside and between blocks. What those tests check (each row once, resumes,
-# retries, row errors, tokens equal to a pp = tp = 1 run) does not depend on depth, and a forward
-# costs about a tenth of the 93-layer model's. The model-level checks keep k3-debug.
-JOB_CONFIG = dataclasses.replace(
-    get_flavor("k3-debug"),
-    num_hidden_layers=8,
-    kda_layers=(1, 2, 3, 5, 6, 7),
-    full_attn_layers=(4, 8),
-    attn_res_block_size=4,
-    experts_mxfp4=True,  # as init-checkpoint writes k3-debug
-)
-
-
 @pytest.fixture(scope="session")
-def job_model_dir(tmp_path_factory) -> str:
-    """A checkpoint of JOB_CONFIG (seed 0), written once per session."""
-    path = tmp_path_factory.mktemp("ckpt") / "k3-debug-8l"
-    write_checkpoint(JOB_CONFIG, path, seed=0)
+def mini_model_dir(tmp_path_factory) -> str:
+    """A checkpoint of k3batch.testing.K3_MINI (seed 0; MXFP4 experts, as init-checkpoint
+    writes k3-debug), written once per session."""
+    path = tmp_path_factory.mktemp("ckpt") / "k3-mini"
+    write_checkpoint(dataclasses.replace(K3_MINI, experts_mxfp4=True), path, seed=0)
     return str(path)
 
 

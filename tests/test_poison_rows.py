@@ -240,12 +240,12 @@ def poison_files() -> dict[str, tuple[pa.Table, list[str | None]]]:
     return files
 
 
-def test_prepare_rows_gives_each_poison_row_its_error(job_model_dir):
+def test_prepare_rows_gives_each_poison_row_its_error(mini_model_dir):
     for name, (table, expected) in poison_files().items():
         works = prepare_rows(
             table.drop_columns(["id"]),
             spec=InputSpec(),
-            model_dir=job_model_dir,
+            model_dir=mini_model_dir,
             defaults=GREEDY,
             max_seq_len=MAX_SEQ_LEN,
             vocab_size=512,
@@ -260,7 +260,7 @@ def test_prepare_rows_gives_each_poison_row_its_error(job_model_dir):
     works = prepare_rows(
         _sampling_table(NUMBER_ROWS[:4], {c: pa.float64() for c in SAMPLING_COLUMNS}),
         spec=InputSpec(),
-        model_dir=job_model_dir,
+        model_dir=mini_model_dir,
         defaults=GREEDY,
         max_seq_len=MAX_SEQ_LEN,
         vocab_size=512,
@@ -272,7 +272,7 @@ def test_prepare_rows_gives_each_poison_row_its_error(job_model_dir):
 # ---- a whole job ------------------------------------------------------------------------------
 
 
-def test_poison_job_runs_to_completion(cluster, job_model_dir, tmp_path):
+def test_poison_job_runs_to_completion(cluster, mini_model_dir, tmp_path):
     """Every poison file, in one job per input contract (prompt source, its type, the id type:
     a file that differs from the first is schema drift, skipped whole): each row written once,
     each bad row with its error, the good rows generated; no replica restarts."""
@@ -292,7 +292,7 @@ def test_poison_job_runs_to_completion(cluster, job_model_dir, tmp_path):
             expected += zip(table.column("id").to_pylist(), words)
         out = tmp_path / f"out{g}"
         spec = JobSpec(
-            model=job_model_dir,
+            model=mini_model_dir,
             name=f"poison-{g}",
             input=InputSpec(path=str(inp), batch_rows=64),
             output=OutputSpec(path=str(out)),
