@@ -1,11 +1,13 @@
 """Test helpers shared by the test suites: numerical comparison with stated tolerances, logit
-agreement metrics, and a small table of measured numbers for reports.
+agreement metrics, a small table of measured numbers for reports, and K3_MINI, the small model
+of the tests whose checks do not depend on depth.
 
 `assert_close` is the one way tests compare floating-point tensors: it checks for NaN/inf
 first, computes the relative RMS error and the max absolute error, logs both, and raises
 `AssertionError` with both numbers when either exceeds its tolerance (never a warning).
 """
 
+import dataclasses
 import json
 import logging
 import math
@@ -13,7 +15,23 @@ from pathlib import Path
 
 import torch
 
+from k3batch.model.config import get_flavor
+
 log = logging.getLogger(__name__)
+
+# k3-debug's layer schedule in miniature: 9 layers (KDA, KDA, KDA, MLA, twice, then MLA) in
+# AttnRes blocks of 4, so the last block is partial and the model ends in two MLA layers, as
+# k3-debug's 93 layers (7 blocks of 12, then 9; MLA at 92 and 93) do. For the tests of the
+# engine, pipeline, TP/DCP groups and jobs, whose checks (exact equality, or tolerances that a
+# shallower model only tightens) do not depend on depth: a forward costs a tenth of
+# k3-debug's. Pipeline cuts: pp = 2 at the block boundary, pp = 4 inside blocks too.
+K3_MINI = dataclasses.replace(
+    get_flavor("k3-debug"),
+    num_hidden_layers=9,
+    kda_layers=(1, 2, 3, 5, 6, 7),
+    full_attn_layers=(4, 8, 9),
+    attn_res_block_size=4,
+)
 
 
 def assert_close(name: str, ref, out, *, rel_rms: float, max_abs: float | None = None) -> dict:

@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import secrets
 import shutil
@@ -20,7 +21,9 @@ import torch  # noqa: E402
 
 from k3batch.model import K3Model, get_flavor  # noqa: E402
 from k3batch.model.init import init_random_  # noqa: E402
+from k3batch.model.weights import write_checkpoint  # noqa: E402
 from k3batch.submit import _client  # noqa: E402
+from k3batch.testing import K3_MINI  # noqa: E402
 
 # Without a GPU, Triton kernels run through Triton's interpreter (tiny shapes), so CI checks every
 # kernel against its reference. Read when a kernel is decorated: set before any kernel import.
@@ -44,6 +47,15 @@ def model_factory():
         return cache[flavor]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def mini_model_dir(tmp_path_factory) -> str:
+    """A checkpoint of k3batch.testing.K3_MINI (seed 0; MXFP4 experts, as init-checkpoint
+    writes k3-debug), written once per session."""
+    path = tmp_path_factory.mktemp("ckpt") / "k3-mini"
+    write_checkpoint(dataclasses.replace(K3_MINI, experts_mxfp4=True), path, seed=0)
+    return str(path)
 
 
 # ---- a local Ray head for the Ray tests: token auth on, its own session, stopped afterwards ----

@@ -25,14 +25,6 @@ from k3batch.driver.fake import FakeReplica
 from k3batch.engine.request import SamplingParams
 from k3batch.io import LeaseHeldError, OutputLease, ShardSink, shard_name
 from k3batch.jobspec import EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaSpec
-from k3batch.model.weights import init_checkpoint
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ckpt") / "k3-debug"
-    init_checkpoint("k3-debug", path, seed=0)  # the tokenizer and config; no model runs
-    return str(path)
 
 
 def _spec(model_dir, inp, out, **kw) -> JobSpec:
@@ -63,7 +55,7 @@ def _rows(out) -> dict:
     return {(r["id"]): r for r in pq.read_table(out).to_pylist()}
 
 
-def test_schema_drift_skips_the_bad_files_and_runs_the_rest(cluster, model_dir, tmp_path):
+def test_schema_drift_skips_the_bad_files_and_runs_the_rest(cluster, mini_model_dir, tmp_path):
     inp = tmp_path / "in"
     inp.mkdir()
     _write(inp / "0.parquet", id=["a0", "a1"], prompt=["hi there", "kimi"])
@@ -73,7 +65,7 @@ def test_schema_drift_skips_the_bad_files_and_runs_the_rest(cluster, model_dir, 
     _write(inp / "4-int-prompt.parquet", id=["d0"], prompt=[5])
     _write(inp / "5-clash.parquet", id=["e0"], prompt=["x"], error=["y"])
     _write(inp / "6.parquet", id=["f0", "f1", "f2"], prompt=["a", "b", "c"])
-    report = _run(_spec(model_dir, inp, tmp_path / "out"))
+    report = _run(_spec(mini_model_dir, inp, tmp_path / "out"))
     assert sorted(_rows(tmp_path / "out")) == ["a0", "a1", "f0", "f1", "f2"]
     assert all(r["error"] is None for r in _rows(tmp_path / "out").values())
     bad = report.unreadable_inputs
@@ -94,12 +86,12 @@ def test_schema_drift_skips_the_bad_files_and_runs_the_rest(cluster, model_dir, 
 
 
 @pytest.mark.slow  # the fast subset: tests/test_driver_inputs.py, test_driver_stream.py
-def test_rerun_names_rows_lost_to_a_file_unreadable_now(cluster, model_dir, tmp_path):
+def test_rerun_names_rows_lost_to_a_file_unreadable_now(cluster, mini_model_dir, tmp_path):
     inp = tmp_path / "in"
     inp.mkdir()
     _write(inp / "a.parquet", id=["a0", "a1", "a2", "a3"], prompt=["p"] * 4)
     _write(inp / "b.parquet", id=["b0", "b1", "b2", "b3"], prompt=["q"] * 4)
-    spec = _spec(model_dir, inp, tmp_path / "out")
+    spec = _spec(mini_model_dir, inp, tmp_path / "out")
     first = _run(spec)
     assert first.is_complete and first.rows_written == 8
     # b's second unit is lost (as if the first run died before it) and b turns unreadable,
@@ -116,13 +108,13 @@ def test_rerun_names_rows_lost_to_a_file_unreadable_now(cluster, model_dir, tmp_
 
 
 def test_first_occurrence_runs_even_when_its_duplicate_committed_first(
-    cluster, model_dir, tmp_path
+    cluster, mini_model_dir, tmp_path
 ):
     inp = tmp_path / "in"
     inp.mkdir()
     _write(inp / "a.parquet", id=["x", "y"], prompt=["first x", "y"])
     _write(inp / "b.parquet", id=["z", "x"], prompt=["z", "second x"])
-    spec = _spec(model_dir, inp, tmp_path / "out")
+    spec = _spec(mini_model_dir, inp, tmp_path / "out")
     _run(spec)
     # As if the driver died after committing b's unit but before a's: the rerun must still run
     # a's x (the first occurrence) and keep b's x as the duplicate.
@@ -136,10 +128,10 @@ def test_first_occurrence_runs_even_when_its_duplicate_committed_first(
     assert "duplicate id 'x' (first at file 0 row 0)" in [r["error"] for r in xs if r["error"]]
 
 
-def test_resume_reads_no_committed_shard(cluster, model_dir, tmp_path):
+def test_resume_reads_no_committed_shard(cluster, mini_model_dir, tmp_path):
     inp = tmp_path / "in.parquet"
     _write(inp, id=[f"r{i}" for i in range(6)], prompt=["p"] * 6)
-    spec = _spec(model_dir, inp, tmp_path / "out")
+    spec = _spec(mini_model_dir, inp, tmp_path / "out")
     _run(spec)
     (tmp_path / "out" / shard_name(0, 0)).write_bytes(b"not parquet: a resume never reads it")
     (tmp_path / "out" / shard_name(0, 2)).unlink()
@@ -147,18 +139,20 @@ def test_resume_reads_no_committed_shard(cluster, model_dir, tmp_path):
     assert report.rows_written == 2 and report.rows_skipped_resumed == 4 and report.is_complete
 
 
-def test_second_driver_on_one_output_is_refused(cluster, model_dir, tmp_path):
+def test_second_driver_on_one_output_is_refused(cluster, mini_model_dir, tmp_path):
     _write(tmp_path / "in.parquet", prompt=["p"])
-    spec = _spec(model_dir, tmp_path / "in.parquet", tmp_path / "out")
+    spec = _spec(mini_model_dir, tmp_path / "in.parquet", tmp_path / "out")
     with OutputLease(ShardSink(str(tmp_path / "out")), job="the-other-job", settle_s=0):
         with pytest.raises(LeaseHeldError, match="in use by job 'the-other-job'"):
             _run(spec)
     assert _run(spec).is_complete  # released: the next driver goes ahead
 
 
-def test_unplaceable_job_fails_after_wait_timeout_naming_resources(cluster, model_dir, tmp_path):
+def test_unplaceable_job_fails_after_wait_timeout_naming_resources(
+    cluster, mini_model_dir, tmp_path
+):
     _write(tmp_path / "in.parquet", prompt=["p"])
-    spec = _spec(model_dir, tmp_path / "in.parquet", tmp_path / "out", device="cuda",
+    spec = _spec(mini_model_dir, tmp_path / "in.parquet", tmp_path / "out", device="cuda",
                  wait_timeout_s=3.0)  # fmt: skip  # the test cluster has no GPU
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"waited 3 s .*'GPU': 1"):
@@ -167,22 +161,23 @@ def test_unplaceable_job_fails_after_wait_timeout_naming_resources(cluster, mode
 
 
 def test_statistics_of_a_hung_replica_do_not_hang_the_end(
-    cluster, model_dir, tmp_path, monkeypatch
+    cluster, mini_model_dir, tmp_path, monkeypatch
 ):
     monkeypatch.setattr(replicas_mod, "STATS_TIMEOUT_S", 1.0)
     _write(tmp_path / "in.parquet", prompt=["p", "q"])
     t0 = time.monotonic()
-    report = _run(_spec(model_dir, tmp_path / "in.parquet", tmp_path / "out"), stats_delay_s=600)
+    spec = _spec(mini_model_dir, tmp_path / "in.parquet", tmp_path / "out")
+    report = _run(spec, stats_delay_s=600)
     assert report.is_complete and report.rows_written == 2 and report.rows_per_replica == []
     assert time.monotonic() - t0 < 60
 
 
 @pytest.mark.slow  # the fast subset: tests/test_driver_inputs.py, test_driver_stream.py
-def test_slow_row_does_not_hold_back_the_rest(cluster, model_dir, tmp_path):
+def test_slow_row_does_not_hold_back_the_rest(cluster, mini_model_dir, tmp_path):
     n = 16
     _write(tmp_path / "in.parquet", id=[f"r{i}" for i in range(n)], prompt=["p"] * n,
            max_new_tokens=[300] + [1] * (n - 1))  # fmt: skip  # row 0: 3 s, the rest: 10 ms
-    report = _run(_spec(model_dir, tmp_path / "in.parquet", tmp_path / "out"), token_s=0.01)
+    report = _run(_spec(mini_model_dir, tmp_path / "in.parquet", tmp_path / "out"), token_s=0.01)
     assert report.is_complete and report.peak_inflight_rows <= 4
     out = tmp_path / "out"
     mtime = {b: (out / shard_name(0, b)).stat().st_mtime for b in range(n // 2)}
@@ -190,7 +185,7 @@ def test_slow_row_does_not_hold_back_the_rest(cluster, model_dir, tmp_path):
 
 
 @pytest.mark.slow  # the fast subset: tests/test_driver_inputs.py, test_driver_stream.py
-def test_killed_replica_rows_are_retried_on_the_stream(cluster, model_dir, tmp_path):
+def test_killed_replica_rows_are_retried_on_the_stream(cluster, mini_model_dir, tmp_path):
     """The streaming path's retry: a replica killed mid-job (Ray restarts it) loses its rows in
     flight; they are resubmitted, stale results are dropped, every id is written once."""
     import threading
@@ -199,7 +194,7 @@ def test_killed_replica_rows_are_retried_on_the_stream(cluster, model_dir, tmp_p
 
     n = 40
     _write(tmp_path / "in.parquet", id=[f"r{i}" for i in range(n)], prompt=["p"] * n)
-    spec = _spec(model_dir, tmp_path / "in.parquet", tmp_path / "out", name="kill-fake")
+    spec = _spec(mini_model_dir, tmp_path / "in.parquet", tmp_path / "out", name="kill-fake")
     spec = spec.__class__(**{**{f: getattr(spec, f) for f in spec.__dataclass_fields__},
                              "replicas": ReplicaSpec(num_replicas=2, device="cpu",
                                                      max_inflight_rows=4)})  # fmt: skip

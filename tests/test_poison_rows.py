@@ -22,18 +22,10 @@ from k3batch.engine.config import EngineConfig
 from k3batch.engine.engine import Engine
 from k3batch.engine.request import SamplingParams
 from k3batch.jobspec import InputSpec, JobSpec, OutputSpec, ReplicaSpec
-from k3batch.model.weights import init_checkpoint
 from k3batch.prompts import prepare_rows, row_sampling
 
 NAN, INF = math.nan, math.inf
 GREEDY = SamplingParams(temperature=0, max_new_tokens=2)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ckpt") / "k3-debug"
-    init_checkpoint("k3-debug", path, seed=0)
-    return str(path)
 
 
 # ---- the engine -------------------------------------------------------------------------------
@@ -248,12 +240,12 @@ def poison_files() -> dict[str, tuple[pa.Table, list[str | None]]]:
     return files
 
 
-def test_prepare_rows_gives_each_poison_row_its_error(model_dir):
+def test_prepare_rows_gives_each_poison_row_its_error(mini_model_dir):
     for name, (table, expected) in poison_files().items():
         works = prepare_rows(
             table.drop_columns(["id"]),
             spec=InputSpec(),
-            model_dir=model_dir,
+            model_dir=mini_model_dir,
             defaults=GREEDY,
             max_seq_len=MAX_SEQ_LEN,
             vocab_size=512,
@@ -268,7 +260,7 @@ def test_prepare_rows_gives_each_poison_row_its_error(model_dir):
     works = prepare_rows(
         _sampling_table(NUMBER_ROWS[:4], {c: pa.float64() for c in SAMPLING_COLUMNS}),
         spec=InputSpec(),
-        model_dir=model_dir,
+        model_dir=mini_model_dir,
         defaults=GREEDY,
         max_seq_len=MAX_SEQ_LEN,
         vocab_size=512,
@@ -280,7 +272,7 @@ def test_prepare_rows_gives_each_poison_row_its_error(model_dir):
 # ---- a whole job ------------------------------------------------------------------------------
 
 
-def test_poison_job_runs_to_completion(cluster, model_dir, tmp_path):
+def test_poison_job_runs_to_completion(cluster, mini_model_dir, tmp_path):
     """Every poison file, in one job per input contract (prompt source, its type, the id type:
     a file that differs from the first is schema drift, skipped whole): each row written once,
     each bad row with its error, the good rows generated; no replica restarts."""
@@ -300,7 +292,7 @@ def test_poison_job_runs_to_completion(cluster, model_dir, tmp_path):
             expected += zip(table.column("id").to_pylist(), words)
         out = tmp_path / f"out{g}"
         spec = JobSpec(
-            model=model_dir,
+            model=mini_model_dir,
             name=f"poison-{g}",
             input=InputSpec(path=str(inp), batch_rows=64),
             output=OutputSpec(path=str(out)),

@@ -8,6 +8,7 @@ allocated on the target device and filled shard by shard (`k3batch.model.weights
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from k3batch.model.config import K3Config
 from k3batch.model.k3 import K3Model
@@ -27,6 +28,18 @@ def resolve_expert_dtype(path, expert_dtype: str = "auto") -> str:
     if expert_dtype == "mxfp4" and stored != "mxfp4":
         raise ValueError(f"expert_dtype = 'mxfp4' needs MXFP4 experts; {path} stores bf16 ones")
     return stored if expert_dtype == "auto" else expert_dtype
+
+
+def allocate_(model: nn.Module, device: str | torch.device) -> nn.Module:
+    """Give every parameter of `model`, built on the meta device, uninitialized memory on
+    `device`; returns the model. What `Module.to_empty` does, without its `empty_like` of meta
+    tensors, which imports sympy: seconds at the start of every replica, stage and rank process
+    on a small CPU machine. (K3Model holds no buffers and no tied parameters.)"""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            fresh = torch.empty(p.shape, dtype=p.dtype, device=device)
+            setattr(module, name, nn.Parameter(fresh, requires_grad=p.requires_grad))
+    return model
 
 
 def load_model(
@@ -69,7 +82,7 @@ def load_model(
     with torch.device("meta"):
         model = K3Model(config, layer_range=layer_range, dtype=dtype, expert_dtype=expert_dtype)
     plan = plan_load(path, model)  # raises before anything is allocated
-    model.to_empty(device=device)
+    allocate_(model, device)
     load_weights_(model, plan)
     if backend == "auto":
         backend = "fla" if torch.device(device).type == "cuda" else "torch"

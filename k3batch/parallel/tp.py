@@ -19,6 +19,7 @@ from k3batch.cache.layout import CacheLayout
 from k3batch.model.config import K3Config
 from k3batch.model.k3 import K3Model
 from k3batch.model.layers import GatedMLP
+from k3batch.model.loader import allocate_
 from k3batch.model.weights import check_halves_paired, load_expert_, plan_load
 from k3batch.parallel.context import ContextParallelMLA
 from k3batch.parallel.group import ParallelGroup, ParallelLayout
@@ -115,7 +116,7 @@ def build_rank_model(config: K3Config, layout: ParallelLayout, tp: ParallelGroup
                 layer.block_sparse_moe = ParallelSparseMoE(local, i, tp, dtype,
                                                            expert_dtype=expert_dtype)  # fmt: skip
         model.lm_head = VocabParallelLMHead(D, config.vocab_size // tp.size, tp, dtype)
-    return model.to_empty(device=device)
+    return allocate_(model, device)
 
 
 def _parallel_mlp(config, local_inter_size: int, tp: ParallelGroup, dtype) -> GatedMLP:

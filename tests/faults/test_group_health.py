@@ -22,20 +22,12 @@ from k3batch.actors.prefill import PrefillStageActor
 from k3batch.actors.replica import ReplicaActor
 from k3batch.engine.config import EngineConfig
 from k3batch.model.config import K3Config
-from k3batch.model.weights import init_checkpoint
 from k3batch.parallel.group import ParallelLayout
 
 # The remote functions below travel by value: Ray's workers cannot import test modules.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 CFG = EngineConfig(max_num_seqs=2, max_seq_len=64, page_size=16)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("faults") / "k3-debug"
-    init_checkpoint("k3-debug", path, seed=0)
-    return str(path)
 
 
 @ray.remote(num_cpus=0)
@@ -61,10 +53,10 @@ def test_get_within_raises_the_first_error_and_names_who_is_late(cluster):
     ray.cancel(slow, force=True)
 
 
-def test_spawn_group_gives_up_on_resources_that_never_come(cluster, model_dir):
+def test_spawn_group_gives_up_on_resources_that_never_come(cluster, mini_model_dir):
     """Old code: spawn_group's `ray.get(actors[0].endpoint.remote())` waits forever here."""
     pg = placement_group([{"CPU": 1, "k3batch_no_such_device": 1}])
-    kwargs = dict(model_dir=model_dir, engine_config=CFG, device="cpu", dtype=torch.float32)
+    kwargs = dict(model_dir=mini_model_dir, engine_config=CFG, device="cpu", dtype=torch.float32)
     kwargs |= dict(layer_range=(0, 2), num_stages=1, rank=0)
     t0 = time.monotonic()
     try:
@@ -84,13 +76,13 @@ def test_spawn_group_gives_up_on_resources_that_never_come(cluster, model_dir):
     assert "prefill stage 0" in msg and "k3batch_no_such_device" in msg, msg
 
 
-def test_stage_busy_intervals_are_bounded(model_dir, monkeypatch):
+def test_stage_busy_intervals_are_bounded(mini_model_dir, monkeypatch):
     """Old code: `self.busy` was a list that grew by one interval per chunk, forever.
     Checked: with `deque()` for `deque(maxlen=BUSY_WINDOW)`, 5 intervals are kept."""
     monkeypatch.setattr(prefill, "BUSY_WINDOW", 2)
-    layers = K3Config.from_hf(model_dir).num_hidden_layers
+    layers = K3Config.from_hf(mini_model_dir).num_hidden_layers
     stage = PrefillStageActor(
-        model_dir,
+        mini_model_dir,
         (0, layers),
         rank=0,
         num_stages=1,
@@ -104,12 +96,12 @@ def test_stage_busy_intervals_are_bounded(model_dir, monkeypatch):
     assert len(stage.stats()["busy"]) == 2
 
 
-def test_decode_rank_refuses_to_decode_after_a_lost_handoff(cluster, model_dir):
+def test_decode_rank_refuses_to_decode_after_a_lost_handoff(cluster, mini_model_dir):
     """Old code: a failed import_request (nobody waits for it) left the rank decoding from a
     cache without the request: silently wrong tokens instead of a replica rebuild.
     Checked: without the `if self.broken` check in forward, the call goes on into the model."""
     rank = DecodeRankActor(
-        model_dir,
+        mini_model_dir,
         ParallelLayout(tp_size=2),
         tp_rank=1,
         engine_config=CFG,
@@ -146,14 +138,14 @@ def _wait_rebuilt(replica, old_pid: int, timeout_s: float = BUILD_TIMEOUT_S) -> 
     raise AssertionError(f"replica not rebuilt within {timeout_s} s")
 
 
-def test_dead_stage_or_rank_rebuilds_its_idle_replica(cluster, model_dir):
+def test_dead_stage_or_rank_rebuilds_its_idle_replica(cluster, mini_model_dir):
     """A pp = 2, tp = 2 replica with no work: SIGKILL a decode rank, then a prefill stage; each
     time the replica process goes down and comes back (Ray's restart) with all-new members.
     Old code: no watchdog (and no `members`): an idle replica never noticed a dead member.
     Checked: with the watchdog's thread start in ReplicaActor._build_or_exit disabled, this
     fails with "replica not rebuilt"."""
     actor = ray.remote(ReplicaActor).options(num_cpus=0, max_restarts=2, max_task_retries=0)
-    replica = actor.remote(model_dir, CFG, "cpu", pp=2, tp=2)
+    replica = actor.remote(mini_model_dir, CFG, "cpu", pp=2, tp=2)
     try:
         pid = ray.get(replica.ready.remote(), timeout=BUILD_TIMEOUT_S)["pid"]
         for victim in [("decode", 1), ("prefill", 0)]:

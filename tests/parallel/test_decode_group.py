@@ -1,7 +1,7 @@
-"""Disaggregated replicas on Ray (CPU, gloo): a prefill pipeline hands each finished prompt to
-a TP/DCP decode group. The handoff is exact (each rank's block and pages hold the
-single-device cache, resharded, byte for byte); greedy tokens equal the single-device engine's; requests that
-arrive while others decode get the tokens they get alone."""
+"""Disaggregated replicas on Ray (CPU, gloo, k3batch.testing.K3_MINI): a prefill pipeline hands
+each finished prompt to a TP/DCP decode group. The handoff is exact (each rank's block and pages
+hold the single-device cache, resharded, byte for byte); greedy tokens equal the single-device
+engine's; requests that arrive while others decode get the tokens they get alone."""
 
 import pytest
 import ray
@@ -13,7 +13,6 @@ from k3batch.engine.config import EngineConfig
 from k3batch.engine.engine import Engine
 from k3batch.engine.request import Phase, SamplingParams
 from k3batch.model.loader import load_model
-from k3batch.model.weights import init_checkpoint
 from k3batch.parallel.group import ParallelLayout
 from k3batch.parallel.handoff import reshard_request
 
@@ -21,52 +20,64 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
 CFG = EngineConfig(max_num_seqs=4, max_seq_len=96, chunk_size=6)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("dg") / "k3-debug"
-    init_checkpoint("k3-debug", path, seed=5)
-    return str(path)
-
-
 def _prompts(seed, lens=(11, 4, 23)):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 500, (n,), generator=g).tolist() for n in lens]
 
 
-def _disaggregated(checkpoint, pp, tp, dcp):
-    shared = dict(engine_config=CFG, device="cpu", dtype=torch.float32)
-    prefill = PipelineRunner(checkpoint, num_stages=pp, **shared)
-    decode = DecodeGroupRunner(checkpoint, ParallelLayout(tp_size=tp, dcp_size=dcp), **shared)
-    return Engine(None, CFG, runner=prefill, decode_runner=decode), prefill, decode
+@pytest.fixture(scope="module")
+def runners(cluster, mini_model_dir):
+    """(prefill pipeline, decode group) by (pp, tp, dcp), started on first use and shared by the
+    tests below (their actors are most of a test's time). A new engine over them starts from
+    empty caches: a fresh request's KDA state is zeros and its pages are written before read."""
+    made = {}
 
+    def get(pp, tp, dcp):
+        if (pp, tp, dcp) not in made:
+            shared = dict(engine_config=CFG, device="cpu", dtype=torch.float32)
+            layout = ParallelLayout(tp_size=tp, dcp_size=dcp)
+            made[pp, tp, dcp] = (
+                PipelineRunner(mini_model_dir, num_stages=pp, **shared),
+                DecodeGroupRunner(mini_model_dir, layout, **shared),
+            )
+        return made[pp, tp, dcp]
 
-@pytest.mark.parametrize("pp,tp,dcp", [(2, 2, 2), (1, 2, 1)], ids=["pp2-tp2-dcp2", "pp1-tp2-dcp1"])
-def test_disaggregated_engine_matches_one_device(cluster, checkpoint, pp, tp, dcp):
-    prompts = _prompts(pp * 10 + tp)
-    ref_engine = Engine(load_model(checkpoint, dtype=torch.float32), CFG)
-    ref = [r.output_token_ids for r in ref_engine.generate(prompts, GREEDY)]
-    engine, prefill, decode = _disaggregated(checkpoint, pp, tp, dcp)
-    sizes, submit = [], decode.submit
-    decode.submit = lambda ids, batch, all_logits: (
-        sizes.append(len(ids)) or submit(ids, batch, all_logits)
-    )
-    try:
-        got = [r.output_token_ids for r in engine.generate(prompts, GREEDY)]
-        assert got == ref
-        assert set(sizes) <= {1, 2, 4} and 4 in sizes  # 3 requests padded to a bucket of 4
-        stats = decode.stats()
-        assert stats["handoffs"] == len(prompts) and min(stats["handoff_bytes_per_rank"]) > 0
-        # every decode step ran on the ranks' static buffers (the path graphs replay on GPUs)
-        assert stats["static_steps"] == len(sizes) > 0 and stats["graphs_per_rank"] == [0] * tp
-    finally:
+    yield get
+    for prefill, decode in made.values():
         prefill.shutdown()
         decode.shutdown()
 
 
-def test_handoff_is_exact(cluster, checkpoint):
+def _engine(prefill, decode) -> Engine:
+    return Engine(None, CFG, runner=prefill, decode_runner=decode)
+
+
+@pytest.mark.parametrize("pp,tp,dcp", [(2, 2, 2), (1, 2, 1)], ids=["pp2-tp2-dcp2", "pp1-tp2-dcp1"])
+def test_disaggregated_engine_matches_one_device(mini_model_dir, runners, monkeypatch, pp, tp, dcp):
+    prompts = _prompts(pp * 10 + tp)
+    ref_engine = Engine(load_model(mini_model_dir, dtype=torch.float32), CFG)
+    ref = [r.output_token_ids for r in ref_engine.generate(prompts, GREEDY)]
+    prefill, decode = runners(pp, tp, dcp)
+    engine, sizes, submit = _engine(prefill, decode), [], decode.submit
+    monkeypatch.setattr(decode, "submit", lambda ids, batch, all_logits: (
+        sizes.append(len(ids)) or submit(ids, batch, all_logits)
+    ))  # fmt: skip
+    before = decode.stats()
+    got = [r.output_token_ids for r in engine.generate(prompts, GREEDY)]
+    assert got == ref
+    assert set(sizes) <= {1, 2, 4} and 4 in sizes  # 3 requests padded to a bucket of 4
+    stats = decode.stats()
+    assert stats["handoffs"] - before["handoffs"] == len(prompts)
+    assert min(stats["handoff_bytes_per_rank"]) > 0
+    # every decode step ran on the ranks' static buffers (the path graphs replay on GPUs)
+    assert stats["static_steps"] - before["static_steps"] == len(sizes) > 0
+    assert stats["graphs_per_rank"] == [0] * tp
+
+
+def test_handoff_is_exact(mini_model_dir, runners):
     layout = ParallelLayout(tp_size=2, dcp_size=2)
     (prompt,) = _prompts(3, lens=(17,))
-    ref_engine = Engine(load_model(checkpoint, dtype=torch.float32), CFG)
+    ref_engine = Engine(load_model(mini_model_dir, dtype=torch.float32), CFG)
     ref_engine.add_request("a", prompt, SamplingParams(temperature=0, max_new_tokens=4))
     while not ref_engine.running or ref_engine.running[0].phase is not Phase.DECODE:
         ref_engine.step()  # prefill only
@@ -74,40 +85,35 @@ def test_handoff_is_exact(cluster, checkpoint):
     ref_engine.runner.apply(pool.drain())
     cache = ref_engine.runner.cache
     full = cache.request_tensors(pool.block_of("a"), pool.pages_of("a"), len(prompt))
-    engine, prefill, decode = _disaggregated(checkpoint, 2, 2, 2)
-    try:
-        engine.add_request("a", prompt, SamplingParams(temperature=0, max_new_tokens=4))
-        engine.step()  # admits the request
-        while engine.running[0].phase is not Phase.DECODE:  # until the handoff, no decode yet
-            engine.step()
-        block, pages = engine.decode_pool.block_of("a"), engine.decode_pool.pages_of("a")
-        for r, actor in enumerate(decode.ranks):
-            got = ray.get(actor.request_tensors.remote(block, pages, len(pages) * CFG.page_size))
-            want = reshard_request(full, ref_engine.runner.config, layout, r)
-            for name, layers in want.items():
-                for i, t in layers.items():
-                    stored = got[name][i]
-                    if name == "mla_latent":
-                        stored = stored[: t.shape[0]]
-                    assert torch.equal(stored, t), (r, name, i)
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
+    prefill, decode = runners(2, 2, 2)
+    engine = _engine(prefill, decode)
+    engine.add_request("a", prompt, SamplingParams(temperature=0, max_new_tokens=4))
+    engine.step()  # admits the request
+    while engine.running[0].phase is not Phase.DECODE:  # until the handoff, no decode yet
+        engine.step()
+    block, pages = engine.decode_pool.block_of("a"), engine.decode_pool.pages_of("a")
+    for r, actor in enumerate(decode.ranks):
+        got = ray.get(actor.request_tensors.remote(block, pages, len(pages) * CFG.page_size))
+        want = reshard_request(full, ref_engine.runner.config, layout, r)
+        for name, layers in want.items():
+            for i, t in layers.items():
+                stored = got[name][i]
+                if name == "mla_latent":
+                    stored = stored[: t.shape[0]]
+                assert torch.equal(stored, t), (r, name, i)
+    while engine.has_unfinished():  # leaves the runners idle for the next test
+        engine.step()
 
 
-def test_late_requests_get_the_tokens_they_get_alone(cluster, checkpoint):
+def test_late_requests_get_the_tokens_they_get_alone(runners):
     a, b = _prompts(7, lens=(9, 14))
-    engine, prefill, decode = _disaggregated(checkpoint, 2, 2, 1)
-    try:
-        alone = engine.generate([b], GREEDY)[0].output_token_ids
-        engine.add_request("a", a, GREEDY)
-        for _ in range(6):  # a is decoding when b arrives
-            engine.step()
-        engine.add_request("b", b, GREEDY)
-        out = {}
-        while engine.has_unfinished():
-            out |= {r.request_id: r for r in engine.step()}
-        assert out["b"].output_token_ids == alone
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
+    engine = _engine(*runners(1, 2, 1))
+    alone = engine.generate([b], GREEDY)[0].output_token_ids
+    engine.add_request("a", a, GREEDY)
+    for _ in range(6):  # a is decoding when b arrives
+        engine.step()
+    engine.add_request("b", b, GREEDY)
+    out = {}
+    while engine.has_unfinished():
+        out |= {r.request_id: r for r in engine.step()}
+    assert out["b"].output_token_ids == alone
