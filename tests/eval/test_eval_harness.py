@@ -94,25 +94,27 @@ def test_backend_matches_k3batch_eval(cluster, shallow_ckpt, tmp_path, monkeypat
     ctx = f"Question: {prompt['question']}\nAnswer:"
 
     def generate(until):
-        (text,) = lm.generate_until([Instance("generate_until", {}, (ctx, {"until": until,
-                                                                           "max_gen_toks": 8}), 0)])
-        return text
+        args = (ctx, {"until": until, "max_gen_toks": 16})
+        (text,) = lm.generate_until([Instance("generate_until", {}, args, 0)])
+        (row,) = pq.read_table(_job_dir(tmp_path / "lm", until) / "records").to_pylist()
+        return text, row
 
-    free = generate([])
-    stop = next(c for c in free[1:4] if c.isascii() and c.isprintable() and c != " ")
-    got = generate([stop])
+    free, free_row = generate([])
+    stop = next(c for c in free[1:] if c.isascii() and c.isprintable() and c != " ")
+    got, row = generate([stop])
     assert got == free[: free.index(stop)]
-    (row,) = pq.read_table(_job_dir(tmp_path / "lm", stop) / "records").to_pylist()
-    assert row["finish_reason"] == "stop" and len(row["output_token_ids"]) < 8
+    assert row["finish_reason"] == "stop" and stop in row["generated_text"]
+    ids = row["output_token_ids"]  # what the engine generated before it stopped
+    assert ids == free_row["output_token_ids"][: len(ids)] and len(ids) <= 16
 
 
-def _job_dir(folder, stop):
-    """The folder of the generate_until job whose request stops at `stop`."""
+def _job_dir(folder, until):
+    """The folder of the one-request generate_until job with these stop strings."""
     for out in folder.glob("generate_until-*"):
         rows = pq.read_table(out / "requests.parquet").to_pylist()
-        if len(rows) == 1 and rows[0]["stop"] == [stop]:
+        if len(rows) == 1 and (rows[0]["stop"] or []) == until:
             return out
-    raise AssertionError(f"no generate_until job with stop {stop!r}")
+    raise AssertionError(f"no generate_until job with until {until!r}")
 
 
 def _raw_generations(folder):
