@@ -37,12 +37,14 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def model_factory():
-    """Cached fp32 random-weight models by flavor name (seed 0), in eval mode."""
+    """Cached fp32 random-weight models (seed 0), in eval mode, by flavor name or "k3-mini"
+    (k3batch.testing.K3_MINI)."""
     cache = {}
 
     def get(flavor: str) -> K3Model:
         if flavor not in cache:
-            model = K3Model(get_flavor(flavor), dtype=torch.float32)
+            config = K3_MINI if flavor == "k3-mini" else get_flavor(flavor)
+            model = K3Model(config, dtype=torch.float32)
             cache[flavor] = init_random_(model, seed=0).eval()
         return cache[flavor]
 

@@ -1,4 +1,4 @@
-"""Prefix caching and memory pressure through the engine (CPU, fp32 k3-debug).
+"""Prefix caching and memory pressure through the engine (CPU, fp32 k3batch.testing.K3_MINI).
 
 Exact (`==` on tokens and on every output log-probability): a prefix-cache hit against a miss,
 with one request at a time (max_num_seqs = 1) so that every forward has the same batch
@@ -48,7 +48,7 @@ def _sized(model, cfg, num_blocks, num_pages):
 
 
 def test_hits_are_bit_identical_to_misses(model_factory):
-    model = model_factory("k3-debug")
+    model = model_factory("k3-mini")
     abc = _tokens(26, 1)
     prompts = [
         abc,
@@ -67,7 +67,7 @@ def test_hits_are_bit_identical_to_misses(model_factory):
 
 
 def test_hits_after_eviction_pressure(model_factory):
-    model = model_factory("k3-debug")
+    model = model_factory("k3-mini")
     base = [_tokens(20, s) for s in (10, 11, 12)]
     # base 0's entries are evicted by the time its branch comes; base 2's are still there
     prompts = [base[0], base[1], base[2], base[2] + _tokens(5, 14), base[0] + _tokens(6, 13)]
@@ -80,7 +80,7 @@ def test_hits_after_eviction_pressure(model_factory):
 
 
 def test_no_prefix_cache_and_static_pool_give_the_same_tokens(model_factory):
-    model = model_factory("k3-debug")
+    model = model_factory("k3-mini")
     prompts = [_tokens(17, 20), _tokens(17, 20) + _tokens(3, 21)]
     want = [t for t, _ in _run(Engine(model, CFG), prompts)]
     for change in ({"prefix_cache": False}, {"memory_pool": "static"}):
@@ -90,7 +90,7 @@ def test_no_prefix_cache_and_static_pool_give_the_same_tokens(model_factory):
 
 
 def test_pages_running_out_retract_the_youngest(model_factory):
-    model = model_factory("k3-debug")
+    model = model_factory("k3-mini")
     prompts = [_tokens(n, 30 + n) for n in (9, 6, 11, 5)]
     sp = dataclasses.replace(GREEDY, max_new_tokens=14, logprobs=False)
     cfg = dataclasses.replace(CFG, max_num_seqs=4, prefix_cache=False)
@@ -105,7 +105,7 @@ def test_pages_running_out_retract_the_youngest(model_factory):
 
 
 def test_a_request_that_can_never_fit_gets_an_error(model_factory):
-    model = model_factory("k3-debug")
+    model = model_factory("k3-mini")
     engine = Engine(model, _sized(model, CFG, 1, 3))
     ok, big = engine.generate(
         [_tokens(5, 1), _tokens(30, 2)], dataclasses.replace(GREEDY, max_new_tokens=2)
