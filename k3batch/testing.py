@@ -21,10 +21,10 @@ log = logging.getLogger(__name__)
 
 # k3-debug's layer schedule in miniature: 9 layers (KDA, KDA, KDA, MLA, twice, then MLA) in
 # AttnRes blocks of 4, so the last block is partial and the model ends in two MLA layers, as
-# k3-debug's 93 layers (7 blocks of 12, then 9; MLA at 92 and 93) do. For the tests of the
-# engine, pipeline, TP/DCP groups and jobs, whose checks (exact equality, or tolerances that a
-# shallower model only tightens) do not depend on depth: a forward costs a tenth of
-# k3-debug's. Pipeline cuts: pp = 2 at the block boundary, pp = 4 inside blocks too.
+# k3-debug's 93 layers (7 blocks of 12, then 9; MLA at 92 and 93) do. For the tests whose checks
+# (exact equality, or tolerances that a shallower model only tightens) do not depend on depth:
+# the prefix cache, the pipeline, the TP/DCP groups, replica faults and whole jobs; a forward
+# costs a tenth of k3-debug's. Pipeline cuts: pp = 2 at the block boundary, pp = 4 inside too.
 K3_MINI = dataclasses.replace(
     get_flavor("k3-debug"),
     num_hidden_layers=9,

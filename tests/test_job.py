@@ -226,6 +226,10 @@ def reference(cluster, mini_model_dir, tmp_path_factory):
     return {r["id"]: r["output_token_ids"] for r in pq.read_table(tmp / "ref").to_pylist()}
 
 
+def _shards(out) -> int:
+    return len(list(out.glob("*.parquet"))) if out.is_dir() else 0
+
+
 def test_replica_death_is_retried(cluster, mini_model_dir, reference, tmp_path):
     inp = tmp_path / "in.parquet"
     _write_rows(inp, NUM_REF_ROWS)
@@ -241,13 +245,14 @@ def test_replica_death_is_retried(cluster, mini_model_dir, reference, tmp_path):
         max_num_seqs=1,
     )
 
-    def killer():
+    def killer():  # once replica 0 is up and the job has committed a unit: rows are in flight
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
                 actor = ray.get_actor("killme/replica-0")
                 ray.get(actor.ready.remote())
-                time.sleep(1.0)
+                while _shards(tmp_path / "out") == 0 and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 ray.kill(actor, no_restart=False)
                 return
             except ValueError:
@@ -261,10 +266,6 @@ def test_replica_death_is_retried(cluster, mini_model_dir, reference, tmp_path):
     rows = pq.read_table(tmp_path / "out").to_pylist()
     assert sorted(r["id"] for r in rows) == sorted(reference)
     assert all(r["output_token_ids"] == reference[r["id"]] for r in rows)
-
-
-def _shards(out) -> int:
-    return len(list(out.glob("*.parquet"))) if out.is_dir() else 0
 
 
 def test_resume_after_driver_sigkill(cluster, mini_model_dir, reference, tmp_path):
