@@ -1,0 +1,254 @@
+"""`k3batch bench ...`: the benchmark commands (engine, kernels, MoE, layouts, the job)."""
+
+import json
+
+import click
+
+
+@click.group()
+def bench():
+    """Benchmarks: they print numbers (and save them with --json)."""
+
+
+@bench.command("pipeline")
+@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--stages", default=8, show_default=True, type=int)
+@click.option(
+    "--chunks",
+    default="1,2,3,4,5,6,8,12,16,24,32",
+    show_default=True,
+    help="Comma-separated chunk counts.",
+)
+@click.option("--chunk-tokens", default=64, show_default=True, type=int)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--address", default=None, help="Ray cluster; default: a local Ray.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def bench_pipeline(model_dir, stages, chunks, chunk_tokens, device, address, json_path):
+    """Measured fill of a chunked PP prefill against the teaching model n/(n+P-1)."""
+    from k3batch.bench import format_fill_table, run_pipeline_bench
+
+    counts = [int(c) for c in chunks.split(",")]
+    rows = run_pipeline_bench(
+        model_dir,
+        num_stages=stages,
+        chunk_counts=counts,
+        chunk_tokens=chunk_tokens,
+        device=device,
+        address=address,
+    )
+    click.echo(format_fill_table(rows, stages))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(
+                {"stages": stages, "chunk_tokens": chunk_tokens, "device": device, "rows": rows},
+                f,
+                indent=1,
+            )
+
+
+def _append_jsonl(path: str | None, rows: list[dict]) -> None:
+    """Append rows to a JSON-lines file (the benchmarks' --json), when a path is given."""
+    if path:
+        with open(path, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+@bench.command("engine")
+@click.option("--flavor", default="k3-debug", show_default=True)
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--batch", default=8, show_default=True, type=int)
+@click.option("--prompt-len", default=512, show_default=True, type=int)
+@click.option("--new-tokens", default=32, show_default=True, type=int)
+@click.option("--chunk-size", default=2048, show_default=True, type=int)
+@click.option("--profile", is_flag=True, help="Also print the top ops of prefill and decode.")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True)
+@click.option("--expert-dtype", type=click.Choice(["bf16", "mxfp4"]), default="bf16",
+              show_default=True, help="Routed experts in memory (mxfp4: packed, W4A16).")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, profile, cuda_graphs,
+                 expert_dtype, json_path):  # fmt: skip
+    """Single-device engine throughput, prefill MFU and peak memory on random weights."""
+    from k3batch.actors.build import default_device
+    from k3batch.bench import engine_throughput, format_profile
+
+    row = engine_throughput(
+        flavor,
+        device=device or default_device(),
+        batch=batch,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        chunk_size=chunk_size,
+        profile=profile,
+        cuda_graphs=cuda_graphs,
+        expert_dtype=expert_dtype,
+    )
+    if profile:
+        from k3batch.bench import PROFILED_DECODE_STEPS
+
+        click.echo(format_profile(row["profile"]))
+        click.echo(format_profile(row["decode_profile"], f"{PROFILED_DECODE_STEPS} decode steps"))
+    click.echo(json.dumps({k: v for k, v in row.items() if "profile" not in k}))
+    click.echo(
+        f"decode step {row['decode_step_ms']} ms; roofline {row['decode_floor_ms']} ms "
+        f"({row['decode_roofline_x']}x) = {row['decode_bytes']} bytes at 4.26 TB/s"
+    )
+    _append_jsonl(json_path, [row])
+
+
+@bench.command("moe")
+@click.option("--flavor", default="k3-slice", show_default=True)
+@click.option("--tokens", default=8192, show_default=True, type=int)
+@click.option("--layers", default=None, type=int, help="MoE layers (default: all of the flavor).")
+@click.option("--repeats", default=10, show_default=True, type=int)
+@click.option("--expert-dtype", type=click.Choice(["bf16", "mxfp4"]), default="bf16",
+              show_default=True, help="mxfp4: also the packed experts through the W4A16 kernel.")
+@click.option("--sweep", is_flag=True,
+              help="Also time the Triton GEMM of this format over launch configs.")
+@click.option("--save-tuned", is_flag=True,
+              help="With --sweep: write the fastest into this GPU's tuned table.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def bench_moe(flavor, tokens, layers, repeats, expert_dtype, sweep, save_tuned, json_path):
+    """Routed experts alone (CUDA): TFLOP/s, % of the bf16 GEMM peak, TB/s on expert bytes."""
+    from k3batch.bench_moe import format_moe_table, moe_throughput, save_best
+    from k3batch.model import get_flavor
+
+    try:
+        rows = moe_throughput(flavor, num_tokens=tokens, num_layers=layers, repeats=repeats,
+                              expert_dtype=expert_dtype, sweep=sweep)  # fmt: skip
+        click.echo(format_moe_table(rows))
+        if sweep and save_tuned:
+            experts = get_flavor(flavor).num_experts
+            cfg = save_best(rows, expert_dtype, tokens, experts)
+            click.echo(f"tuned table <- {expert_dtype} at {tokens} tokens: {cfg}")
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    _append_jsonl(json_path, rows)
+
+
+@bench.command("job")
+@click.option("--flavor", default="k3-slice", show_default=True)
+@click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
+              help="Checkpoint (default: a random one of the flavor written under --work-dir).")
+@click.option("--work-dir", default="out/bench-job", show_default=True,
+              type=click.Path(file_okay=False))
+@click.option("--num-prompts", default=1024, show_default=True, type=int)
+@click.option("--input-len", default=1024, show_default=True, type=int)
+@click.option("--output-len", default=256, show_default=True, type=int)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--replicas", "num_replicas", default=1, show_default=True, type=int)
+@click.option("--max-num-seqs", default=64, show_default=True, type=int)
+@click.option("--no-engine", is_flag=True, help="Skip the engine-alone run.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def bench_job(flavor, model_dir, work_dir, num_prompts, input_len, output_len, device,
+              num_replicas, max_num_seqs, no_engine, json_path):  # fmt: skip
+    """The batch job on random-token prompts: rows/s, tokens/s, and against the engine alone."""
+    from k3batch.bench_job import format_job_bench, run_job_bench
+
+    row = run_job_bench(flavor, work_dir, num_prompts=num_prompts, input_len=input_len,
+                        output_len=output_len, device=device, model_dir=model_dir,
+                        num_replicas=num_replicas, max_num_seqs=max_num_seqs,
+                        engine_alone=not no_engine)  # fmt: skip
+    click.echo(json.dumps(row))
+    click.echo(format_job_bench(row))
+    _append_jsonl(json_path, [row])
+
+
+@bench.command("layouts")
+@click.option("--flavor", default="k3-slice", show_default=True)
+@click.option("--gpus", default=8, show_default=True, type=int, help="Devices of this host.")
+@click.option("--device", default="cuda", show_default=True, help="cuda, or cpu (gloo) to try.")
+@click.option("--prompt-len", default=8192, show_default=True, type=int)
+@click.option("--chunk-sizes", default="1024,2048,4096", show_default=True)
+@click.option("--decode-batch", default=32, show_default=True, type=int)
+@click.option("--context-len", default=8192, show_default=True, type=int)
+@click.option("--repeats", default=2, show_default=True, type=int, help="Timed runs (best kept).")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def bench_layouts(flavor, gpus, device, prompt_len, chunk_sizes, decode_batch, context_len,
+                  repeats, json_path):  # fmt: skip
+    """PP-N vs TP-N prefill and TP-N vs TP-N + DCP-N decode on N devices (random weights)."""
+    from k3batch.bench_layouts import LayoutBench, run_layout_bench
+
+    bench = LayoutBench(flavor=flavor, num_devices=gpus, device=device, prompt_len=prompt_len,
+                        chunk_sizes=tuple(int(c) for c in chunk_sizes.split(",")),
+                        decode_batch=decode_batch, context_len=context_len,
+                        repeats=repeats)  # fmt: skip
+    try:
+        rows = run_layout_bench(bench)  # prints each row as it is measured
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    _append_jsonl(json_path, [r | {"flavor": flavor, "gpus": gpus} for r in rows])
+
+
+@bench.command("comm")
+@click.option("--flavor", default="k3", show_default=True)
+@click.option("--gpus", default=8, show_default=True, type=int)
+@click.option("--p2p-gbps", required=True, type=float, help="Point-to-point bandwidth, GB/s.")
+@click.option("--busbw-gbps", required=True, type=float, help="All-reduce bus bandwidth, GB/s.")
+def bench_comm(flavor, gpus, p2p_gbps, busbw_gbps):
+    """Bytes PP-N and TP-N prefill move per 1K tokens, and the exposed time at given bandwidths
+    (computed; no GPU needed)."""
+    from k3batch.bench_layouts import comm_bytes_per_1k, projected_comm_ms_per_1k
+    from k3batch.model import get_flavor
+
+    config = get_flavor(flavor)
+    vol = comm_bytes_per_1k(config, gpus)
+    ms = projected_comm_ms_per_1k(config, gpus, p2p_gbps=p2p_gbps, busbw_gbps=busbw_gbps)
+    click.echo(f"{flavor}, {gpus} devices, bf16 activations, per 1K prompt tokens:")
+    click.echo(f"  tp{gpus}: {vol['tp'] / 1e6:,.1f} MB per rank ({vol['tp_all_reduces']} all-reduces)"
+               f" -> {ms['tp']:.2f} ms at {busbw_gbps:g} GB/s bus bandwidth")  # fmt: skip
+    click.echo(f"  pp{gpus}: {vol['pp'] / 1e6:,.1f} MB at the widest stage boundary"
+               f" -> {ms['pp']:.2f} ms at {p2p_gbps:g} GB/s point to point")  # fmt: skip
+
+
+@bench.command("mla-decode")
+@click.option("--batch", default=64, show_default=True, type=int)
+@click.option("--context-len", default=8192, show_default=True, type=int)
+@click.option("--heads", default=96, show_default=True, type=int, help="Query heads (96: K3).")
+@click.option("--page-size", default=64, show_default=True, type=int)
+@click.option("--sweep", is_flag=True, help="Time the launch configurations; report the best.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def bench_mla_decode(batch, context_len, heads, page_size, sweep, json_path):
+    """Paged MLA decode kernel: bandwidth on the latent bytes read vs the copy bandwidth."""
+    from k3batch.bench_kernels import format_result, run_mla_decode_bench
+
+    r = run_mla_decode_bench(batch=batch, context_len=context_len, heads=heads,
+                             page_size=page_size, sweep=sweep,
+                             on_row=lambda row: click.echo(json.dumps(row)))  # fmt: skip
+    click.echo(format_result("mla-decode", r))
+    _append_jsonl(json_path, [r])
+
+
+@bench.command("kda-decode")
+@click.option("--batch", default=64, show_default=True, type=int)
+@click.option("--heads", default=96, show_default=True, type=int, help="KDA heads (96: K3).")
+@click.option("--sweep", is_flag=True, help="Time the launch configurations; report the best.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def bench_kda_decode(batch, heads, sweep, json_path):
+    """In-place KDA decode step: bandwidth on the fp32 states read and written vs the copy
+    bandwidth (fla's recurrent kernel beside it)."""
+    from k3batch.bench_kernels import format_result, run_kda_decode_bench
+
+    r = run_kda_decode_bench(batch=batch, heads=heads, sweep=sweep,
+                             on_row=lambda row: click.echo(json.dumps(row)))  # fmt: skip
+    click.echo(format_result("kda-decode", r))
+    click.echo(f"kda-decode: fla     {r['fla']['ms']:.3f} ms, {r['fla']['tbps']:.2f} TB/s "
+               f"({r['fla_fraction_of_copy']:.0%})")  # fmt: skip
+    _append_jsonl(json_path, [r])
+
+
+@bench.command("mla-prefill")
+@click.option("--seq-lens", default="8192", show_default=True, help="New tokens per sequence.")
+@click.option("--cached-lens", default=None, help="Cached prefix per sequence (default 0).")
+@click.option("--heads", default=96, show_default=True, type=int)
+@click.option("--sweep", is_flag=True, help="Time the launch configurations; report the best.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def bench_mla_prefill(seq_lens, cached_lens, heads, sweep, json_path):
+    """MLA prefill flash kernel: useful TFLOP/s vs the bf16 GEMM peak."""
+    from k3batch.bench_kernels import format_result, run_mla_prefill_bench
+
+    lens = [int(n) for n in seq_lens.split(",")]
+    cached = [int(n) for n in cached_lens.split(",")] if cached_lens else None
+    r = run_mla_prefill_bench(seq_lens=lens, cached_lens=cached, heads=heads, sweep=sweep,
+                              on_row=lambda row: click.echo(json.dumps(row)))
+    click.echo(format_result("mla-prefill", r))
+    _append_jsonl(json_path, [r])
