@@ -222,6 +222,7 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
         "routed_expert_gib": round(sum(p.nbytes for n, p in model.named_parameters()
                                        if ".block_sparse_moe.experts." in n) / 2**30, 2),
         "arena_gib": round(engine.runner.cache.total_bytes / 2**30, 1),
+        "workspace_gib": round((engine.runner.workspace_bytes or 0) / 2**30, 2),
     }  # fmt: skip
     if profile:
         row["profile"] = _profile(prefill, cuda)

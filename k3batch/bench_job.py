@@ -37,7 +37,7 @@ def write_random_prompts(path: Path, num_prompts: int, input_len: int, vocab: in
 
 def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
                   output_len: int, device: str = "auto", model_dir=None, seed: int = 0,
-                  num_replicas: int = 1, max_num_seqs: int = 64,
+                  num_replicas: int = 1, max_num_seqs: int = 0,
                   engine_alone: bool = True) -> dict:  # fmt: skip
     """The job and (engine_alone) the single engine on the same prompts; a row of numbers."""
     from k3batch.actors.build import build_engine, default_device
@@ -47,10 +47,15 @@ def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
     from k3batch.model.weights import init_checkpoint
 
     work = Path(work_dir)
+    dev = default_device() if device == "auto" else device
     if model_dir is None:
         model_dir = work / f"model-{flavor}"
         if not (model_dir / "config.json").exists():
-            init_checkpoint(flavor, model_dir, seed)
+            init_checkpoint(flavor, model_dir, seed, device=dev)  # the model it returns is freed
+            if dev == "cuda":  # the job's replica needs the memory
+                import torch
+
+                torch.cuda.empty_cache()
     vocab = get_flavor(flavor).vocab_size
     data = work / f"prompts-{num_prompts}x{input_len}.parquet"
     prompts = write_random_prompts(data, num_prompts, input_len, vocab, seed)
@@ -59,15 +64,17 @@ def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
     out = work / f"out-{time.strftime('%Y%m%d-%H%M%S')}"
     spec = JobSpec(model=str(model_dir), name="bench-job", input=InputSpec(path=str(data)),
                    output=OutputSpec(path=str(out)), sampling=sampling, engine=engine,
-                   replicas=ReplicaSpec(num_replicas=num_replicas, device=device))  # fmt: skip
+                   replicas=ReplicaSpec(num_replicas=num_replicas, device=dev))  # fmt: skip
     report = run_job(spec)
     if not report.is_complete:
         raise RuntimeError(f"the benchmark job left rows without output: {report.missing}")
     wall, startup = report.wall_s, report.stage_s["startup"]
+    sizing = report.sizing[0] if report.sizing else {}
     row = {
         "flavor": flavor, "num_prompts": num_prompts, "input_len": input_len,
         "output_len": output_len, "device": device, "num_replicas": num_replicas,
-        "max_num_seqs": max_num_seqs, "job_wall_s": round(wall, 2),
+        "max_num_seqs": sizing.get("max_num_seqs", max_num_seqs), "sizing": sizing,
+        "job_wall_s": round(wall, 2),
         "job_startup_s": round(startup, 2),
         "job_rows_per_s": round(report.rows_written / wall, 2),
         "job_input_tokens_per_s": round(report.prompt_tokens / wall, 1),
@@ -77,7 +84,6 @@ def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
         "output_tokens": report.output_tokens,
     }  # fmt: skip
     if engine_alone:
-        dev = default_device() if device == "auto" else device
         eng, _ = build_engine(str(model_dir), engine, device=dev)
         eng.generate(prompts[: min(2, num_prompts)], sampling)  # warm-up: compile, autotune
         t = time.perf_counter()
@@ -99,6 +105,10 @@ def format_job_bench(row: dict) -> str:
         f"output {row['job_output_tokens_per_s']:.0f} tok/s "
         f"({row['job_output_tokens_per_s_after_startup']:.0f} after start-up)",
     ]
+    if row.get("sizing"):
+        from k3batch.report import sizing_line
+
+        lines.append(f"  replica sizing: {sizing_line(row['sizing'])}")
     if "engine_output_tokens_per_s" in row:
         lines.append(
             f"  engine alone: output {row['engine_output_tokens_per_s']:.0f} tok/s; job after "

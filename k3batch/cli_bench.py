@@ -136,7 +136,8 @@ def bench_moe(flavor, tokens, layers, repeats, expert_dtype, sweep, save_tuned, 
 @click.option("--output-len", default=256, show_default=True, type=int)
 @click.option("--device", default="auto", show_default=True)
 @click.option("--replicas", "num_replicas", default=1, show_default=True, type=int)
-@click.option("--max-num-seqs", default=64, show_default=True, type=int)
+@click.option("--max-num-seqs", default=0, show_default=True, type=int,
+              help="0: sized by the engine (on a GPU, from the arena).")
 @click.option("--no-engine", is_flag=True, help="Skip the engine-alone run.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def bench_job(flavor, model_dir, work_dir, num_prompts, input_len, output_len, device,

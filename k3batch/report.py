@@ -36,6 +36,7 @@ class JobReport:
     pipeline: list[dict] = field(default_factory=list)  # per replica with pp > 1: busy, bubble
     decode_groups: list[dict] = field(default_factory=list)  # per replica with tp > 1: handoffs
     cache: list[dict] = field(default_factory=list)  # per replica: memory and prefix-cache counters
+    sizing: list[dict] = field(default_factory=list)  # per replica: `Engine.sizing`
     stage_s: dict[str, float] = field(
         default_factory=lambda: {
             "startup": 0.0,
@@ -86,6 +87,8 @@ class JobReport:
             )
         for i, c in enumerate(self.cache):
             lines.append(f"replica {i} cache: {cache_line(c)}")
+        for i, z in enumerate(self.sizing):
+            lines.append(f"replica {i} sizing: {sizing_line(z)}")
         if self.replica_failures:
             lines.append(
                 f"replica failures: {self.replica_failures}, rows retried: {self.rows_retried}"
@@ -112,6 +115,18 @@ def cache_line(stats: dict) -> str:
         f"({pre['prefix_hits'] / admitted:.0%}), prefill tokens saved "
         f"{pre['prefix_hit_tokens']}/{pre['prompt_tokens']} "
         f"({pre['prefix_hit_tokens'] / prompt:.0%}); {retracted} retracted"
+    )
+
+
+def sizing_line(z: dict) -> str:
+    """`Engine.sizing` in a line: limits, arena per device, prefill workspace."""
+    gib = 2**30
+    arena = " + ".join(f"{b / gib:.1f}" for b in z["arena_bytes"])
+    ws = z["workspace_bytes"]
+    return (
+        f"max_num_seqs {z['max_num_seqs']}, max_batch_tokens {z['max_batch_tokens']}, "
+        f"arena {arena} GiB, prefill workspace "
+        + ("not measured" if ws is None else f"{ws / gib:.2f} GiB")
     )
 
 

@@ -7,6 +7,7 @@ import torch
 
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.engine import Engine
+from k3batch.engine.runner import sized
 from k3batch.model.loader import load_model
 from k3batch.tokenizer import Tokenizer
 
@@ -54,6 +55,7 @@ def build_engine(
     from k3batch.parallel.group import ParallelLayout
 
     gpus = 1 if device == "cuda" else 0
+    engine_config = sized(engine_config, cuda=device == "cuda")
     shared = dict(engine_config=engine_config, device=device, dtype=dtype)
     runner = PipelineRunner(
         model_dir,

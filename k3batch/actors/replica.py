@@ -136,6 +136,7 @@ class ReplicaActor:
     def stats(self) -> dict:
         out = {"load_s": self.load_s, "busy_s": self.busy_s, "rows": self.rows}
         out["cache"] = self.engine.cache_stats()
+        out["sizing"] = self.engine.sizing()
         if hasattr(self.engine.runner, "bubble"):
             out["pipeline"] = self.engine.runner.bubble(reset=False)
         if self.engine.decode_runner is not None:

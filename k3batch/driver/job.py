@@ -133,6 +133,7 @@ def _run(spec, sink, lease, report, ctx, progress_stream, replica_cls, replica_k
         report.pipeline = [s["pipeline"] for s in stats if "pipeline" in s]
         report.decode_groups = [s["decode_group"] for s in stats if "decode_group" in s]
         report.cache = [s["cache"] for s in stats if "cache" in s]
+        report.sizing = [s["sizing"] for s in stats if "sizing" in s]
     finally:
         if pool is not None:
             pool.shutdown()

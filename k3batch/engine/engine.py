@@ -56,8 +56,14 @@ class Engine:
         prompt is done, and prefill and decode batches then run at the same time.
         stop_check(stop strings, output token ids) -> bool: whether the output's text holds one
         of the strings (the caller knows the tokenizer); needed for requests with `stop`."""
-        self.config = config = (config or EngineConfig()).validate()
+        config = (config or EngineConfig()).validate()
         self.runner = runner or LocalRunner(model, config)
+        # A local runner sizes the automatic fields from its arena; actor runners are given
+        # a sized config (`actors.build`).
+        self.config = config = getattr(self.runner, "engine_config", config)
+        if not (config.max_num_seqs and config.max_batch_tokens):
+            raise ValueError("max_num_seqs and max_batch_tokens must be sized (runner.sized) "
+                             "before an engine runs on actors")  # fmt: skip
         self.decode_runner = decode_runner
         self.pool = self._account(self.runner, config.prefix_cache)
         self.decode_pool = None
@@ -151,6 +157,16 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._errors)
+
+    def sizing(self) -> dict:
+        """What was chosen up front: the sized limits, the arena bytes of each device of the
+        (prefill) runner, and the measured prefill workspace (None where not measured)."""
+        return {
+            "max_num_seqs": self.config.max_num_seqs,
+            "max_batch_tokens": self.config.max_batch_tokens,
+            "arena_bytes": [spec.total_bytes for spec in self.runner.cache_specs()],
+            "workspace_bytes": getattr(self.runner, "workspace_bytes", None),
+        }
 
     def cache_stats(self) -> dict:
         """Memory and prefix-cache counters of each account."""

@@ -11,31 +11,83 @@ Calls run in submission order. `depth` is how many forwards may usefully be in f
 batches padded to a bucket with scratch rows (see `Engine._submit_decode`).
 """
 
+import dataclasses
+
 import torch
 
 from k3batch.cache.layout import CacheLayout
 from k3batch.cache.paged import PagedCache
-from k3batch.engine.config import EngineConfig
+from k3batch.engine.config import CPU_MAX_NUM_SEQS, EngineConfig
 from k3batch.engine.graphs import DecodeGraphs
 from k3batch.model.forward_batch import ForwardBatch
 
 
-def arena_bytes(
-    layout: CacheLayout, config: EngineConfig, device, *, dcp_size: int = 1, extra: int = 0
-) -> int:
+GPU_MEMORY_FRACTION = 0.9  # of a GPU for weights + workspace + arena, when the config sets none
+GPU_SLACK_BYTES = 2 * 2**30  # beyond the measured workspace: graph pools, allocator slack
+MAX_AUTO_SEQS = 256  # max_num_seqs sized from the arena stops here (decode graph buckets)
+GPU_GROUP_SEQS = 64  # max_num_seqs of a replica of actors on GPUs, when the config sets none
+
+
+def arena_bytes(layout: CacheLayout, config: EngineConfig, device, *, dcp_size: int = 1,
+                extra: int = 0, workspace: int | None = None) -> int:  # fmt: skip
     """The arena size of one device: `config.cache_bytes`; else, on a GPU with
-    `memory_fraction`, that fraction of its memory minus what is in use (the weights) and a
-    reserve (the planner's formula, `k3batch.plan.pool_bytes`); else room for max_num_seqs
-    (+ extra) requests of max_seq_len tokens."""
+    `memory_fraction` or a measured `workspace` (then the fraction defaults to
+    GPU_MEMORY_FRACTION), that fraction of its memory minus what is in use (the weights) and a
+    reserve: the workspace + GPU_SLACK_BYTES, or the planner's DEFAULT_RESERVE_BYTES where
+    nothing was measured (`k3batch.plan.pool_bytes`); else room for max_num_seqs (+ extra)
+    requests of max_seq_len tokens."""
     if config.cache_bytes:
         return config.cache_bytes
     device = torch.device(device)
-    if config.memory_fraction and device.type == "cuda":
+    if device.type == "cuda" and (config.memory_fraction or workspace is not None):
         from k3batch.plan import DEFAULT_RESERVE_BYTES, pool_bytes
 
         free, total = torch.cuda.mem_get_info(device)
-        return pool_bytes(total, config.memory_fraction, total - free, DEFAULT_RESERVE_BYTES)
-    return (config.max_num_seqs + extra) * layout.request_bytes(config.max_seq_len, dcp_size)
+        fraction = config.memory_fraction or GPU_MEMORY_FRACTION
+        reserve = DEFAULT_RESERVE_BYTES if workspace is None else workspace + GPU_SLACK_BYTES
+        return pool_bytes(total, fraction, total - free, reserve)
+    seqs = config.max_num_seqs or CPU_MAX_NUM_SEQS
+    return (seqs + extra) * layout.request_bytes(config.max_seq_len, dcp_size)
+
+
+def sized(config: EngineConfig, *, cuda: bool, seqs_fit: int | None = None) -> EngineConfig:
+    """`config` with its automatic fields (0) filled: max_batch_tokens (`batch_tokens`), and
+    max_num_seqs: on a GPU the `seqs_fit` requests of max_seq_len tokens that the arena holds,
+    at most MAX_AUTO_SEQS, or GPU_GROUP_SEQS where no one arena decides (a replica of actors);
+    on the CPU CPU_MAX_NUM_SEQS."""
+    seqs = config.max_num_seqs
+    if not seqs and cuda:
+        seqs = GPU_GROUP_SEQS if seqs_fit is None else min(MAX_AUTO_SEQS, max(1, seqs_fit))
+    return dataclasses.replace(config, max_num_seqs=seqs or CPU_MAX_NUM_SEQS,
+                               max_batch_tokens=config.batch_tokens(cuda))  # fmt: skip
+
+
+def measure_workspace(model, config: EngineConfig, layout: CacheLayout) -> int:
+    """Bytes that the largest prefill step allocates beyond the weights and the arena: one
+    forward of max_batch_tokens tokens (requests of chunk_size tokens, the shape the engine
+    plans) on a scratch cache, measured by the CUDA allocator's peak. It runs before the
+    arena exists; it also compiles and autotunes the prefill kernels for that shape."""
+    dev = next(model.parameters()).device
+    tokens, chunk = config.batch_tokens(True), config.chunk_size
+    lens = [chunk] * (tokens // chunk) + ([tokens % chunk] if tokens % chunk else [])
+    scratch = PagedCache(layout, len(lens) * layout.request_bytes(chunk), device=dev,
+                         dtype=next(model.parameters()).dtype)  # fmt: skip
+    per = -(-chunk // layout.page_size)
+    n = len(lens)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(n)]
+    batch = ForwardBatch(seq_lens=lens, cached_lens=[0] * n, slot_ids=list(range(n)),
+                         page_tables=tables)  # fmt: skip
+    ids = torch.zeros(tokens, dtype=torch.long, device=dev)
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    with torch.inference_mode():
+        model.forward_batch(ids, batch, scratch)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    del scratch
+    torch.cuda.empty_cache()
+    return peak
 
 
 class LocalRunner:
@@ -56,10 +108,15 @@ class LocalRunner:
             page_size=config.page_size,
             dtype_bytes=p.element_size(),
         )
-        use_graphs = config.cuda_graphs and p.device.type == "cuda"
+        cuda = p.device.type == "cuda"
+        use_graphs = config.cuda_graphs and cuda
         self.pads_decode = use_graphs or static_decode
-        # One extra request's room for the scratch rows of padded decode batches.
-        total = arena_bytes(layout, config, p.device, extra=int(self.pads_decode))
+        extra = int(self.pads_decode)  # one request's room for the scratch rows of padded decodes
+        # Sized up front: the largest prefill step's workspace, then the arena from what is left.
+        self.workspace_bytes = measure_workspace(model, config, layout) if cuda else None
+        total = arena_bytes(layout, config, p.device, extra=extra, workspace=self.workspace_bytes)
+        fit = total // layout.request_bytes(config.max_seq_len) - extra
+        self.engine_config = config = sized(config, cuda=cuda, seqs_fit=fit)
         self.cache = PagedCache(layout, total, device=p.device, dtype=p.dtype)
         self.graphs = None
         if self.pads_decode:

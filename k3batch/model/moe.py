@@ -15,6 +15,7 @@ from torch import nn
 from k3batch.model.layers import GatedMLP, RMSNorm, linear
 from k3kernels.moe.experts import fused_experts
 from k3kernels.moe.mxfp4 import GROUP_SIZE, MXFP4Weight
+from k3kernels.moe.reference import route_reference
 
 EXPERT_DTYPES = ("bf16", "mxfp4")
 
@@ -39,17 +40,13 @@ class Router(nn.Module):
             logits = torch.mm(x_TD, self.weight.t(), out_dtype=torch.float32)
         else:
             logits = x_TD.float() @ self.weight.float().t()
-        scores = torch.sigmoid(logits)  # [T, E]
-        if pinned_ids is None:
-            ids = torch.topk(
-                scores + self.e_score_correction_bias.float(), self.top_k, dim=-1
-            ).indices
-        else:
-            ids = pinned_ids.to(scores.device)
-        w = scores.gather(-1, ids)
-        if self.renormalize:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return ids, w * self.scaling
+        args = (self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
+        if pinned_ids is None and logits.is_cuda:
+            from k3kernels.moe.route import route  # one kernel for the dozen torch ops
+
+            return route(logits, *args)
+        ids = None if pinned_ids is None else pinned_ids.to(logits.device)
+        return route_reference(logits, *args, ids_Tk=ids)
 
 
 class Experts(nn.Module):

@@ -358,21 +358,26 @@ def write_checkpoint(
     return model
 
 
-def init_checkpoint(flavor: str, out_dir, seed: int, experts: str = "auto") -> K3Model:
+def init_checkpoint(flavor: str, out_dir, seed: int, experts: str = "auto",
+                    device: str = "cpu") -> K3Model:  # fmt: skip
     """Random-weight checkpoint of a named flavor (the `k3batch init-checkpoint` command).
 
     experts: "mxfp4" (routed experts stored packed, config.json carries the
     quantization_config), "bf16", or "auto": as the official checkpoints store them, MXFP4 for
     K3 flavors and bf16 for Kimi Linear. Returns the fp32 model written; with MXFP4 its experts
     hold their dequantized values, so loading the checkpoint in fp32 gives back exactly
-    `param.to(bf16)`.
+    `param.to(bf16)`. device "cuda": the weights are drawn there in bf16 (k3-slice's 31 B
+    parameters do not fit a host's memory in fp32; other values than the CPU's draw).
     """
     if experts not in ("auto", "mxfp4", "bf16"):
         raise ValueError(f"experts = {experts!r}; expected auto, mxfp4 or bf16")
     config = get_flavor(flavor)
     mxfp4 = config.is_k3 if experts == "auto" else experts == "mxfp4"
     config = dataclasses.replace(config, experts_mxfp4=mxfp4)
-    return write_checkpoint(config, out_dir, seed=seed)
+    if device == "cpu":
+        return write_checkpoint(config, out_dir, seed=seed)
+    model = init_random_(K3Model(config.validate(), dtype=torch.bfloat16, device=device), seed)
+    return write_checkpoint(model, out_dir, seed=seed)
 
 
 def _split_shards(entries: list[Entry], max_shard_bytes: int) -> list[list[Entry]]:

@@ -2,6 +2,7 @@
 activation and a deterministic fp32 combine. No host syncs on the device path.
 
 - `reference.py`: the fp32 torch oracle (one plain loop over experts), any device.
+- `route.py`: the router's top-k and the decode-size slot sort, one Triton kernel each.
 - `permute.py`: `sort_slots` (order of the token slots by expert, group offsets, each slot's
   position in that order), all on the device.
 - `grouped_gemm.py`: `grouped_mm` (`torch._grouped_mm` where it runs, a loop elsewhere).

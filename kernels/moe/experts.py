@@ -2,7 +2,8 @@
 activation, fp32 combine. The same function serves prefill and decode, the single-device
 model, pipeline stages and expert-parallel ranks (`first_expert` and the local expert count).
 
-Steps: `sort_slots` orders the T k token slots by expert; the slots' input rows are gathered
+Steps: `sort_slots` orders the T k token slots by expert (at decode sizes with Triton, the
+single-launch counting sort of `route.py`); the slots' input rows are gathered
 ([M, D], M = T k); one grouped GEMM with the fused gate-up weights w13 [E, 2 I, D] gives
 [M, 2 I]; `moe_act` gives [M, I]; a grouped GEMM with w2 [E, D, I] gives [M, D]; `moe_combine`
 sums each token's k rows times its router weights in fp32. With `use_triton=False` the two
@@ -45,7 +46,13 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
     T = x_TD.shape[0]
     if T == 0:
         return torch.zeros(0, w2_EDI.shape[1], dtype=torch.float32, device=x_TD.device)
-    order = sort_slots(ids_Tk, w13_EFD.shape[0], first_expert)
+    sort = sort_slots
+    if use_triton:
+        from k3kernels.moe import route
+
+        if ids_Tk.numel() <= route.MAX_SLOTS:  # decode: one launch, not a dozen
+            sort = route.sort_slots
+    order = sort(ids_Tk, w13_EFD.shape[0], first_expert)
     x_MD = x_TD.index_select(0, order.token_M)
     h_MF = gemm(x_MD, w13_EFD, order.offs_E)
     if use_triton:

@@ -8,6 +8,19 @@ F = 2 I (gate rows then up rows), E experts, k top-k, M sorted token slots (T k)
 import torch
 
 
+def route_reference(logits_TE, bias_E, top_k: int, renormalize: bool, scaling: float,
+                    ids_Tk=None):
+    """(ids [T, k] int64, weights [T, k] fp32): top-k of sigmoid(logits) + bias, or the given
+    ids; weights from the unbiased scores, renormalized over the k when asked, times scaling."""
+    scores = torch.sigmoid(logits_TE.float())
+    if ids_Tk is None:
+        ids_Tk = torch.topk(scores + bias_E.float(), top_k, dim=-1).indices
+    w = scores.gather(-1, ids_Tk)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return ids_Tk, w * scaling
+
+
 def gated_act_reference(h_MF, act: str, beta: float = 4.0, linear_beta: float = 25.0):
     """act(gate, up) of fused rows h [M, 2 I] (gate = first I columns, up = the last I), fp32
     [M, I] (see `gated_act_pair_reference`)."""

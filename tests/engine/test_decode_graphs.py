@@ -75,7 +75,8 @@ def test_graph_replay_equals_eager_every_bucket():
         pytest.skip("needs CUDA")
     model = K3Model(get_flavor("k3-debug"), dtype=torch.bfloat16, device="cuda")
     init_random_(model, seed=0).eval().set_backend("fla")
-    kw = dict(max_num_seqs=8, max_seq_len=128, chunk_size=64, page_size=16)
+    kw = dict(max_num_seqs=8, max_seq_len=128, chunk_size=64, page_size=16,
+              cache_bytes=2**28)  # two runners share the GPU: no default fraction each
     graphed = LocalRunner(model, EngineConfig(**kw))
     assert sorted(graphed.graphs.graphs) == buckets_up_to(8)
     eager_cfg = EngineConfig(**kw, cuda_graphs=False)

@@ -240,7 +240,28 @@ def test_moe_triton_kernels_interpreted_on_cpu():
     _interpreted_checks()
 
 
+def _check_route_and_sort(T, E, k, device, first_expert=0, local=None):
+    """The routing kernel against `route_reference` (same ids, weights within fp32 rounding)
+    and the counting sort against `permute.sort_slots` (equal)."""
+    from k3kernels.moe import route
+
+    g = torch.Generator(device=device).manual_seed(T * E + k)
+    logits = torch.randn(T, E, generator=g, device=device) * 3
+    bias = torch.randn(E, generator=g, device=device) * 0.1
+    for renorm, scaling in ((True, 2.5), (False, 1.0)):
+        ref_ids, ref_w = R.route_reference(logits, bias, k, renorm, scaling)
+        ids, w = route.route(logits, bias, k, renorm, scaling)
+        assert torch.equal(ids, ref_ids), (T, E, k)
+        assert_close(f"route-T{T}-E{E}-k{k}", ref_w, w, rel_rms=1e-6)
+    local = local or E
+    got, ref = route.sort_slots(ids, local, first_expert), sort_slots(ids, local, first_expert)
+    for name in ref._fields:
+        assert torch.equal(getattr(got, name), getattr(ref, name)), (name, T, E, k)
+
+
 def _interpreted_checks():
+    for T, E, k, first, local in ((1, 8, 2, 0, 8), (33, 8, 2, 4, 4), (70, 12, 3, 0, 12)):
+        _check_route_and_sort(T, E, k, "cpu", first, local)
     for dtype in DTYPES.values():
         for act in ("situ", "silu"):
             _check_act(5, 40, act, dtype, "cpu")
@@ -282,6 +303,16 @@ def test_grouped_mm_mxfp4_gpu():
                                 block_k=128, num_stages=4)  # fmt: skip
     for shape in ("T8192-prefill", "T64-decode", "T8192-ep2-rank1"):
         _check_experts(K3_SLICE[shape], torch.bfloat16, "cuda", use_triton=True, mxfp4=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_route_and_sort_gpu():
+    """K3 (896 experts, top-16) and k3-slice (112, top-2) decode batches, an EP half."""
+    for T in (1, 16, 64):
+        _check_route_and_sort(T, 896, 16, "cuda")
+        _check_route_and_sort(T, 112, 2, "cuda")
+    _check_route_and_sort(64, 896, 16, "cuda", first_expert=448, local=448)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,107 @@
+"""Routing and the slot sort of a decode step as two Triton kernels.
+
+At decode the router's elementwise steps (sigmoid, bias, top-k, gather, renormalize, scale) and
+`sort_slots`' radix sort and binary searches are a dozen kernels per MoE layer on a few hundred
+values: launches, not bytes. Here they are two.
+
+`route_kernel`, one program per token: sigmoid of the fp32 router logits, top-k of score + bias
+by k rounds of argmax (the lowest index wins a tie), weights from the unbiased scores,
+renormalized and scaled. Oracle: `reference.route_reference`.
+
+`sort_slots_kernel`: the stable order of the M = T k slots by local expert, computed by
+counting. Slot i's row is #{j: key_j < key_i} + #{j < i: key_j = key_i}; expert e's group ends
+at #{j: key_j <= e}. Every program reads all M keys and writes its own BLOCK slots' rows and
+BLOCK experts' ends: no atomics, the same result whatever the schedule. The work is M^2, so
+`sort_slots` uses it only up to `MAX_SLOTS` (decode); oracle: `permute.sort_slots`.
+Shape legend: T tokens, E experts (local E for the sort), k top-k, M = T k slots.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from k3kernels.moe.permute import SlotOrder
+
+MAX_SLOTS = 1024  # the counting sort's M^2 work stays under ~1 M compares
+
+
+@triton.jit
+def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, scaling,
+                 TOP_K: tl.constexpr, KP2: tl.constexpr, RENORM: tl.constexpr,
+                 BLOCK_E: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    emask = e < E
+    x = tl.load(logits_ptr + t * E + e, mask=emask, other=0.0)
+    scores = 1.0 / (1.0 + tl.exp(-x))
+    biased = tl.where(emask, scores + tl.load(bias_ptr + e, mask=emask, other=0.0), float("-inf"))
+    lanes = tl.arange(0, KP2)  # k lanes used, padded to a power of two
+    ids = tl.zeros([KP2], dtype=tl.int64)
+    w = tl.zeros([KP2], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(biased, axis=0)
+        ids = tl.where(lanes == j, best, ids)
+        w = tl.where(lanes == j, tl.sum(tl.where(e == best, scores, 0.0), axis=0), w)
+        biased = tl.where(e == best, float("-inf"), biased)
+    if RENORM:
+        w = w / (tl.sum(w, axis=0) + 1e-20)
+    tl.store(ids_ptr + t * TOP_K + lanes, ids, mask=lanes < TOP_K)
+    tl.store(w_ptr + t * TOP_K + lanes, w * scaling, mask=lanes < TOP_K)
+
+
+def route(logits_TE, bias_E, top_k: int, renormalize: bool, scaling: float):
+    """(ids [T, k] int64, weights [T, k] fp32) from fp32 logits [T, E] and bias [E]."""
+    T, E = logits_TE.shape
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits_TE.device)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits_TE.device)
+    if T:
+        route_kernel[(T,)](logits_TE.float().contiguous(), bias_E.float().contiguous(), ids, w,
+                           E, float(scaling), TOP_K=top_k, KP2=triton.next_power_of_2(top_k),
+                           RENORM=renormalize, BLOCK_E=triton.next_power_of_2(E))  # fmt: skip
+    return ids, w
+
+
+@triton.jit
+def sort_slots_kernel(ids_ptr, token_ptr, pos_ptr, valid_ptr, offs_ptr, M, E, first_expert,
+                      TOP_K: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    p = tl.program_id(0)
+    i = p * BLOCK + tl.arange(0, BLOCK)
+    imask = i < M
+    local = tl.load(ids_ptr + i, mask=imask, other=0) - first_expert
+    held = (local >= 0) & (local < E)
+    key_i = tl.where(held, local, E)  # another rank's experts sort after every group
+    row = tl.zeros([BLOCK], dtype=tl.int32)
+    expert = p * BLOCK + tl.arange(0, BLOCK)
+    ends = tl.zeros([BLOCK], dtype=tl.int32)
+    for j0 in range(0, M, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        jmask = j < M
+        lj = tl.load(ids_ptr + j, mask=jmask, other=0) - first_expert
+        key_j = tl.where(jmask, tl.where((lj >= 0) & (lj < E), lj, E), E + 1)
+        before = (key_j[None, :] < key_i[:, None]) | (
+            (key_j[None, :] == key_i[:, None]) & (j[None, :] < i[:, None])
+        )
+        row += tl.sum(before.to(tl.int32), axis=1)
+        ends += tl.sum((key_j[None, :] <= expert[:, None]).to(tl.int32), axis=1)
+    tl.store(pos_ptr + i, row.to(tl.int64), mask=imask)
+    tl.store(token_ptr + row, (i // TOP_K).to(tl.int64), mask=imask)
+    tl.store(valid_ptr + i, held.to(tl.uint8), mask=imask)
+    tl.store(offs_ptr + expert, ends, mask=expert < E)
+
+
+def sort_slots(ids_Tk: torch.Tensor, num_experts: int, first_expert: int = 0) -> SlotOrder:
+    """`permute.sort_slots` for M = T k <= MAX_SLOTS, as one kernel launch."""
+    T, k = ids_Tk.shape
+    M = T * k
+    if M > MAX_SLOTS:
+        raise ValueError(f"{M} slots: the counting sort takes at most {MAX_SLOTS}")
+    dev = ids_Tk.device
+    token = torch.empty(M, dtype=torch.int64, device=dev)
+    pos = torch.empty(M, dtype=torch.int64, device=dev)
+    valid = torch.empty(M, dtype=torch.uint8, device=dev)
+    offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    BLOCK = 64
+    grid = (max(triton.cdiv(M, BLOCK), triton.cdiv(num_experts, BLOCK)),)
+    sort_slots_kernel[grid](ids_Tk.long().contiguous(), token, pos, valid, offs, M, num_experts,
+                            first_expert, TOP_K=k, BLOCK=BLOCK, CHUNK=64)  # fmt: skip
+    return SlotOrder(token, offs, pos.view(T, k), valid.view(torch.bool).view(T, k))
