@@ -165,6 +165,15 @@ class JobSpec:
         )
         return self
 
+    @property
+    def row_defaults(self) -> SamplingParams:
+        """The sampling each row starts from (its own sampling columns override it): [sampling]
+        with the log-probabilities that [output] asks for."""
+        out = self.output
+        return dataclasses.replace(
+            self.sampling, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs
+        )
+
     def fingerprint(self) -> tuple[str, dict]:
         """What decides the job's results (not where or how fast it runs): the hash and the
         readable description stored in the output manifest."""

@@ -34,7 +34,8 @@ import ray
 
 from k3batch.actors.placement import CALL_TIMEOUT_S, get_within
 from k3batch.engine.config import EngineConfig
-from k3batch.engine.request import GenerationResult, SamplingParams
+from k3batch.engine.request import SamplingParams
+from k3batch.result import result_row
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +193,8 @@ class ReplicaActor:
                 self.busy_s += time.perf_counter() - t0
                 self.rows += len(finished)
                 for res in finished:
-                    self._outbox.append(self._row(owner.pop(res.request_id), res))
+                    row = {"key": owner.pop(res.request_id)} | result_row(res, self.tokenizer)
+                    self._outbox.append(row)
                 if finished:
                     self._wake_caller()
         except BaseException:  # the engine is broken: let Ray restart the actor
@@ -206,20 +208,3 @@ class ReplicaActor:
                 loop.call_soon_threadsafe(wake.set)
             except RuntimeError:  # that loop is closed; the next take_results makes a new one
                 pass
-
-    def _row(self, key, res: GenerationResult) -> dict:
-        row = {
-            "key": key,
-            "generated_text": None if res.error else self.tokenizer.decode(res.output_token_ids),
-            "output_token_ids": res.output_token_ids,
-            "finish_reason": res.finish_reason,
-            "num_prompt_tokens": len(res.prompt_token_ids),
-            "num_output_tokens": len(res.output_token_ids),
-            "error": res.error,
-        }
-        if res.output_logprobs is not None:
-            row["output_logprobs"] = res.output_logprobs
-        if res.prompt_logprobs is not None:
-            row["prompt_logprobs"] = res.prompt_logprobs
-            row["prompt_greedy"] = res.prompt_greedy
-        return row

@@ -11,23 +11,19 @@ import time
 
 import pyarrow as pa
 
-from k3batch.driver.inputs import RESULT_TYPES
 from k3batch.driver.intake import OpenUnit
 from k3batch.io import ShardSink
 from k3batch.jobspec import JobSpec
 from k3batch.report import JobReport
+from k3batch.result import append_results, result_names
 
 
 class Committer:
     def __init__(self, spec: JobSpec, sink: ShardSink, add_id: bool, report: JobReport, lease):
         self.spec, self.sink, self.add_id = spec, sink, add_id
         self.report, self.lease = report, lease
-        self.names = [
-            n
-            for n in RESULT_TYPES
-            if (n != "output_logprobs" or spec.output.logprobs)
-            and (n not in ("prompt_logprobs", "prompt_greedy") or spec.output.prompt_logprobs)
-        ]
+        out = spec.output
+        self.names = result_names(logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs)
 
     def maybe_commit(self, state: OpenUnit) -> bool:
         """Write the unit's shard if every row is finished; True if it was written."""
@@ -49,10 +45,7 @@ class Committer:
         table = state.table
         if self.add_id:
             table = table.append_column(self.spec.input.id_column, pa.array(state.ids, pa.string()))
-        for name in self.names:
-            values = [r.get(name) for r in state.results]
-            table = table.append_column(name, pa.array(values, RESULT_TYPES[name]))
-        return table
+        return append_results(table, state.results, self.names)
 
 
 def missing_rows(

@@ -22,8 +22,9 @@ from collections import deque
 import ray
 
 from k3batch.driver.health import Health, node_loss
-from k3batch.driver.intake import GET_TIMEOUT_S, error_row
+from k3batch.driver.intake import GET_TIMEOUT_S
 from k3batch.prompts import RowWork
+from k3batch.result import error_row
 
 log = logging.getLogger(__name__)
 

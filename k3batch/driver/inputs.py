@@ -18,20 +18,7 @@ import pyarrow.parquet as pq
 from k3batch.io import InputFile
 from k3batch.jobspec import InputSpec
 from k3batch.prompts import prompt_source
-
-# Output columns the driver appends to every row, with their types.
-RESULT_TYPES = {
-    "generated_text": pa.string(),
-    "output_token_ids": pa.list_(pa.int32()),
-    "finish_reason": pa.string(),
-    "num_prompt_tokens": pa.int32(),
-    "num_output_tokens": pa.int32(),
-    "error": pa.string(),
-    "output_logprobs": pa.list_(pa.float32()),
-    "prompt_logprobs": pa.list_(pa.float32()),
-    "prompt_greedy": pa.list_(pa.bool_()),  # with prompt_logprobs: each token the argmax
-}
-
+from k3batch.result import RESULT_TYPES
 
 @dataclass(frozen=True, slots=True)
 class InputSurvey:

@@ -10,7 +10,7 @@ Driver memory holds only open units: the caller bounds how many are open.
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pyarrow as pa
 import ray
@@ -18,6 +18,7 @@ import ray
 from k3batch.driver.ids import IdIndex, id_strings, position
 from k3batch.jobspec import JobSpec
 from k3batch.prompts import RowWork, prepare_rows
+from k3batch.result import error_row
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +45,6 @@ class OpenUnit:
         self.remaining -= 1
 
 
-def error_row(message: str) -> dict:
-    return {
-        "generated_text": None,
-        "output_token_ids": None,
-        "finish_reason": "error",
-        "num_prompt_tokens": None,
-        "num_output_tokens": 0,
-        "error": message,
-    }
-
-
 class Intake:
     """See the module docstring. `exhausted` once every unit has been handed out."""
 
@@ -64,15 +54,10 @@ class Intake:
         self.exhausted = False
         self.tok_refs: dict = {}  # tokenize ref -> unit key
         self.errors: dict[int, list[str]] = {}  # file index -> read errors of this run
-        sampling = replace(
-            spec.sampling,
-            logprobs=spec.output.logprobs,
-            prompt_logprobs=spec.output.prompt_logprobs,
-        )
         self.tok_kw = dict(
             spec=spec.input,
             model_dir=spec.model,
-            defaults=sampling,
+            defaults=spec.row_defaults,
             max_seq_len=spec.engine.max_seq_len,
             vocab_size=vocab_size,
         )

@@ -1,0 +1,84 @@
+"""The Ray Data interface (`k3batch.data.generate`) on the shared local Ray head with a tiny
+checkpoint (k3batch.testing.K3_MINI): a Dataset in, a Dataset out with every input column and
+the same output columns, row for row, as `k3batch run` writes for the same rows, bad rows
+included (as error values), and settings refused before anything runs."""
+
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+
+from k3batch.data import generate
+from k3batch.driver import run_job
+from k3batch.engine.request import SamplingParams
+from k3batch.jobspec import EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaSpec
+from k3batch.result import result_names
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=4)
+# One request at a time: every row's arithmetic is that of a run alone, however the job and the
+# Dataset cut the rows into batches, so both give the same tokens.
+ENGINE = EngineConfig(max_num_seqs=1, max_seq_len=128, chunk_size=64)
+
+
+def _table() -> pa.Table:
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "kimi", "linear", "attention", "batch"]
+    good = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 12))) for _ in range(5)]
+    prompts = good + ["", "word " * 200, "alpha beta"]  # empty, too long, bad sampling value
+    n = len(prompts)
+    return pa.table(
+        {
+            "id": [f"r{i}" for i in range(n)],
+            "prompt": prompts,
+            "extra": pa.array([{"a": i} for i in range(n)]),
+            "max_new_tokens": [None, 2, None, None, 3, None, None, None],
+            "temperature": [None] * (n - 1) + [-1.0],
+        }
+    )
+
+
+def test_generate_dataset_matches_job_row_for_row(cluster, mini_model_dir, tmp_path):
+    table = _table()
+    pq.write_table(table, tmp_path / "in.parquet")
+    job = JobSpec(
+        model=mini_model_dir,
+        input=InputSpec(path=str(tmp_path / "in.parquet"), batch_rows=4),
+        output=OutputSpec(path=str(tmp_path / "out"), logprobs=True),
+        sampling=GREEDY,
+        replicas=ReplicaSpec(device="cpu"),
+        engine=ENGINE,
+    )
+    assert run_job(job).is_complete
+    expected = {r["id"]: r for r in pq.read_table(tmp_path / "out").to_pylist()}
+
+    ds = generate(ray.data.from_arrow(table), model=mini_model_dir, sampling=GREEDY, engine=ENGINE,
+                  batch_size=3, device="cpu", logprobs=True)  # fmt: skip
+    out = pa.concat_tables(ray.get(ds.to_arrow_refs()))
+    names = result_names(logprobs=True, prompt_logprobs=False)
+    assert out.schema.names == table.schema.names + names
+    got = {r["id"]: r for r in out.to_pylist()}
+    assert got.keys() == expected.keys()
+    for rid, row in got.items():
+        assert row == expected[rid], rid  # input columns, tokens, text, errors, log-probs
+    assert [got[f"r{i}"]["error"] is None for i in range(8)] == [True] * 5 + [False] * 3
+    assert "empty" in got["r5"]["error"] and "context limit" in got["r6"]["error"]
+    assert "temperature" in got["r7"]["error"]
+    assert got["r1"]["num_output_tokens"] <= 2  # a per-row override
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"concurrency": 0}, "replicas.min_replicas = 0"),
+        ({"concurrency": (2, 1)}, "min = 2 > max = 1"),
+        ({"batch_size": 0}, "batch_size = 0"),
+        ({"sampling": SamplingParams(top_p=0.0)}, "sampling.top_p"),
+        ({"device": "cpu", "num_gpus": 1}, "a CPU job asks for no GPUs"),
+    ],
+    ids=["no-replicas", "min-over-max", "batch-size-0", "bad-sampling", "cpu-with-gpus"],
+)
+def test_generate_refuses_bad_settings(mini_model_dir, kw, words):
+    with pytest.raises(ValueError, match=words):
+        generate(None, model=mini_model_dir, **kw)  # checked before the Dataset is touched
