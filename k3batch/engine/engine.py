@@ -31,7 +31,7 @@ import torch
 from k3batch.cache.manager import CacheManager
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import GenerationResult, Phase, Request, SamplingParams, is_int
-from k3batch.engine.runner import LocalRunner
+from k3batch.engine.runner import LocalRunner, sized
 from k3batch.engine.sampler import draw_seed, sample_batch
 from k3batch.model.forward_batch import ForwardBatch, to_device
 
@@ -58,12 +58,10 @@ class Engine:
         of the strings (the caller knows the tokenizer); needed for requests with `stop`."""
         config = (config or EngineConfig()).validate()
         self.runner = runner or LocalRunner(model, config)
-        # A local runner sizes the automatic fields from its arena; actor runners are given
-        # a sized config (`actors.build`).
-        self.config = config = getattr(self.runner, "engine_config", config)
-        if not (config.max_num_seqs and config.max_batch_tokens):
-            raise ValueError("max_num_seqs and max_batch_tokens must be sized (runner.sized) "
-                             "before an engine runs on actors")  # fmt: skip
+        # A local runner sizes the automatic fields (0) from its arena; `actors.build` sizes
+        # them for actor runners on GPUs; what is left takes the CPU values.
+        sized_here = getattr(self.runner, "engine_config", None)
+        self.config = config = sized_here or sized(config, cuda=False)
         self.decode_runner = decode_runner
         self.pool = self._account(self.runner, config.prefix_cache)
         self.decode_pool = None
