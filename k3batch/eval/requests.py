@@ -3,7 +3,8 @@ engine's own prompt log-probabilities or completions.
 
 - multiple choice: one row per choice, prompt = context + continuation token ids, scored from
   `prompt_logprobs_start` = len(context) on. The context of every choice is the same token
-  sequence, so the prefix cache shares it (and the few-shot examples shared by all items).
+  sequence, so the prefix cache shares it (and the few-shot examples shared by all items, or
+  by the items of one group).
 - generate: one row per sample, prompt = context, `max_new_tokens` = max_gen_toks, a seed per
   (suite seed, task, item, sample), `stop` = the task's `until` (the engine stops a completion
   at the first token whose text completes one; scoring cuts the text before it), nothing
@@ -15,15 +16,17 @@ Tokenization follows lm-evaluation-harness: trailing spaces of the context move 
 continuation, the continuation's ids are what encoding context + continuation adds after the
 context's ids. A row whose item cannot be built (a template that fails on it, a gold that is no
 choice, a prompt longer than the model's window) carries the reason in `prep_error` and no
-prompt: the job gives it an error row, and the item is reported with its error.
+prompt: the job gives it an error row, and the item is reported with its error. Every row
+carries its item's `group` (null without group_by) for the per-group metrics.
 """
 
 import hashlib
 import random
+from collections import defaultdict
 
 import pyarrow as pa
 
-from k3batch.eval.suite import SuiteSpec, TaskSpec, evaluate, read_rows, render
+from k3batch.eval.suite import SuiteSpec, TaskSpec, evaluate, group_of, read_rows, render
 
 SCHEMA = pa.schema(
     [
@@ -41,6 +44,7 @@ SCHEMA = pa.schema(
         ("choice_bytes", pa.int32()),  # multiple choice: UTF-8 bytes of the continuation
         ("target", pa.string()),  # generate: the gold answer text
         ("num_bytes", pa.int32()),  # rolling: UTF-8 bytes of the document (on window 0)
+        ("group", pa.string()),  # group_by: the item's group
         ("prep_error", pa.string()),
     ]
 )
@@ -77,24 +81,39 @@ def build_requests(suite: SuiteSpec, tok, max_seq_len: int) -> pa.Table:
     rows = []
     for task in suite.tasks:
         items = read_rows(task.data)[: task.limit]
-        head = _head(task)
+        shots = fewshot_texts(task)
         for i, item in enumerate(items):
+            group = group_of(task, item)  # load_suite evaluated it on every row
             try:
-                rows += _item_rows(task, suite.seed, i, item, head, tok, max_seq_len)
+                item_rows = _item_rows(task, suite.seed, i, item, shots, tok, max_seq_len)
             except Exception as e:  # a bad item fails alone
                 msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-                rows.append(_row(task, i, 0, None, prep_error=msg))
+                item_rows = [_row(task, i, 0, None, prep_error=msg)]
+            rows += [r | {"group": group} for r in item_rows]
     return pa.Table.from_pylist(rows, schema=SCHEMA)
 
 
-def _head(task: TaskSpec) -> str:
-    """The description and the few-shot examples: the text before every item's prompt."""
-    if not task.num_fewshot:
-        return render(task.description, {})
-    shots = read_rows(task.fewshot_data)
-    random.Random(task.fewshot_seed).shuffle(shots)
-    texts = [render(task.prompt, s) + _answer(task, s) for s in shots[: task.num_fewshot]]
-    return render(task.description, {}) + "".join(t + task.fewshot_separator for t in texts)
+def fewshot_texts(task: TaskSpec) -> dict[str | None, str]:
+    """group (None without group_by) -> the text of its few-shot examples, each the example's
+    prompt and answer, then the separator: what follows the description in each item's prompt
+    ("" for every group when num_fewshot is 0)."""
+    by_group = defaultdict(list)
+    for row in read_rows(task.fewshot_data) if task.num_fewshot else []:
+        by_group[group_of(task, row)].append(row)
+    texts = defaultdict(str)
+    for group, shots in by_group.items():
+        if task.fewshot_sampler == "shuffle":
+            random.Random(task.fewshot_seed).shuffle(shots)
+        texts[group] = "".join(render(task.prompt, s) + _answer(task, s) + task.fewshot_separator
+                               for s in shots[: task.num_fewshot])  # fmt: skip
+    return texts
+
+
+def item_context(task: TaskSpec, item: dict, shots: dict[str | None, str]) -> str:
+    """The text before an item's continuation or completion: the description (rendered over the
+    item's row), the few-shot examples of its group (`shots`: `fewshot_texts(task)`) and its
+    prompt."""
+    return render(task.description, item) + shots[group_of(task, item)] + render(task.prompt, item)
 
 
 def _answer(task: TaskSpec, row: dict) -> str:
@@ -124,8 +143,8 @@ def _gold(task: TaskSpec, row: dict, choices: list[str]) -> int:
     return gold
 
 
-def _item_rows(task, seed, i, item, head, tok, max_seq_len) -> list[dict]:
-    context = head + render(task.prompt, item)
+def _item_rows(task, seed, i, item, shots, tok, max_seq_len) -> list[dict]:
+    context = item_context(task, item, shots)
     if task.kind == "multiple_choice":
         choices = _choices(task, item)
         gold = _gold(task, item, choices)

@@ -8,6 +8,7 @@ Layout of the eval's output directory (`job.output.path`):
     items.jsonl        one record per item: the scored token ids, each choice's
                        log-likelihood and greedy flag, completions and answers, errors
     results.json       per task: each metric's value and standard error, items, errors
+                       (and, for a task with group_by, the same per group)
 
 The job is `k3batch run`'s (same driver: resume, row errors, progress, report), so killing an
 eval at any point and running it again redoes only the unfinished shards, and scoring, a pure
@@ -60,9 +61,13 @@ def run_eval(suite: SuiteSpec, job: JobSpec, *, progress_stream=None) -> EvalRes
     table = build_requests(suite, Tokenizer.from_dir(job.model), job.engine.max_seq_len)
     rows, report = run_requests(table, out, job, progress_stream=progress_stream)
     num_items = {t.name: 0 for t in suite.tasks}
-    for task, item in zip(table.column("task").to_pylist(), table.column("item").to_pylist()):
+    groups = {t.name: {} for t in suite.tasks if t.group_by is not None}  # item -> its group
+    columns = (table.column(c).to_pylist() for c in ("task", "item", "group"))
+    for task, item, group in zip(*columns):
         num_items[task] = max(num_items[task], item + 1)
-    results, records = score(suite, [r for r in rows if r is not None], num_items)
+        if task in groups:
+            groups[task][item] = group
+    results, records = score(suite, [r for r in rows if r is not None], num_items, groups)
     results["model"] = job.model
     results["complete"] = report.is_complete
     _write_atomic(out / ITEMS_NAME, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))

@@ -14,6 +14,10 @@ is recorded with its error and left out of the metrics.
   share of correct samples (pass@1), `pass@k` the unbiased estimator 1 - C(n-c, k) / C(n, k).
 - rolling: `perplexity` = exp(-sum log p / tokens) and `bits_per_byte` over the whole task
   (token- and byte-weighted, so no standard error), `loglik` per item.
+
+A task with `group_by` also gets, under `groups`, each group's metrics over its items, and its
+own metrics become lm-eval's group score over those groups (`pool_groups`); each of its records
+names its group. Without group_by, results and records have no group fields.
 """
 
 import math
@@ -23,8 +27,11 @@ from collections import defaultdict
 from k3batch.eval.suite import SuiteSpec, TaskSpec
 
 
-def score(suite: SuiteSpec, rows: list[dict], num_items: dict[str, int]) -> tuple[dict, list]:
-    """rows: the job's output rows; num_items: items per task. Returns (results, records)."""
+def score(suite: SuiteSpec, rows: list[dict], num_items: dict[str, int],
+          groups: dict[str, dict[int, str]] | None = None) -> tuple[dict, list]:  # fmt: skip
+    """rows: the job's output rows; num_items: items per task; groups: for each task with
+    group_by (and only needed then), item -> its group (the requests' `group` column: it knows
+    the group of an item with no output row too). Returns (results, records)."""
     by_item = defaultdict(list)
     for r in sorted(rows, key=lambda r: r["id"]):
         by_item[(r["task"], r["item"])].append(r)
@@ -34,7 +41,12 @@ def score(suite: SuiteSpec, rows: list[dict], num_items: dict[str, int]) -> tupl
         for i in range(num_items[task.name]):
             recs.append(_record(task, i, by_item.get((task.name, i), [])))
         records += recs
-        results[task.name] = _aggregate(task, recs)
+        if task.group_by is None:
+            results[task.name] = _aggregate(task, recs)
+        else:
+            for rec in recs:
+                rec["group"] = groups[task.name][rec["item"]]
+            results[task.name] = _aggregate_groups(task, recs)
     return {"suite": suite.name, "seed": suite.seed, "tasks": results}, records
 
 
@@ -148,6 +160,39 @@ def _aggregate(task: TaskSpec, recs: list[dict]) -> dict:
     return out
 
 
+def _aggregate_groups(task: TaskSpec, recs: list[dict]) -> dict:
+    """Each group's metrics over its own items, and the task's metrics pooled from them."""
+    by_group = defaultdict(list)
+    for r in recs:
+        by_group[r["group"]].append(r)
+    groups = {g: _aggregate(task, by_group[g]) for g in sorted(by_group)}
+    sizes = [t["num_items"] - t["num_errors"] for t in groups.values()]
+    names = next(iter(groups.values()))["metrics"]
+    metrics = {name: pool_groups([t["metrics"][name] for t in groups.values()], sizes)
+               for name in names}  # fmt: skip
+    return {"kind": task.kind, "num_items": len(recs),
+            "num_errors": sum(t["num_errors"] for t in groups.values()), "metrics": metrics,
+            "group_by": task.group_by, "groups": groups}  # fmt: skip
+
+
+def pool_groups(metrics: list[dict], sizes: list[int]) -> dict:
+    """lm-eval's score of a group from its subtasks' metrics ({value, stderr}, a mean each) and
+    scored item counts, as lm-eval 0.4.9 pools its mmlu: the mean weighted by size
+    (`aggregate_subtask_metrics`, weight_by_size) and the pooled standard error
+    (`pooled_sample_stderr`), in their order of operations. A subtask with no scored item is
+    left out; None where nothing is left (value) or no degree of freedom is (stderr)."""
+    parts = [(m, n) for m, n in zip(metrics, sizes) if n]
+    total = sum(n for _, n in parts)
+    if not total:
+        return {"value": None, "stderr": None}
+    value = sum(m["value"] * n for m, n in parts) / total
+    if total == len(parts):  # one item per subtask: no variance within any of them
+        return {"value": value, "stderr": None}
+    # stderr is None only for a subtask of one item, whose term (n - 1 = 0) vanishes anyway
+    var = sum((n - 1) * (m["stderr"] or 0.0) ** 2 * n for m, n in parts) / (total - len(parts))
+    return {"value": value, "stderr": math.sqrt(var / total)}
+
+
 def mean_stderr(values: list[float]) -> dict:
     """Mean and its standard error (sample standard deviation / sqrt(n))."""
     n = len(values)
@@ -161,12 +206,15 @@ def mean_stderr(values: list[float]) -> dict:
 
 
 def format_table(results: dict) -> str:
-    """One line per (task, metric): value, standard error, items, errors."""
+    """One line per (task, metric), then per (group, metric) of a grouped task: value, standard
+    error, items, errors."""
     lines = [f"{'task':<24} {'metric':<14} {'value':>10} {'stderr':>10} {'items':>7} {'errors':>7}"]
     for name, t in results["tasks"].items():
-        for metric, m in t["metrics"].items():
-            value = "-" if m["value"] is None else f"{m['value']:.4f}"
-            err = "-" if m["stderr"] is None else f"{m['stderr']:.4f}"
-            lines.append(f"{name:<24} {metric:<14} {value:>10} {err:>10} "
-                         f"{t['num_items']:>7} {t['num_errors']:>7}")  # fmt: skip
+        rows = [(name, t)] + [(f" - {g}", sub) for g, sub in t.get("groups", {}).items()]
+        for label, r in rows:
+            for metric, m in r["metrics"].items():
+                value = "-" if m["value"] is None else f"{m['value']:.4f}"
+                err = "-" if m["stderr"] is None else f"{m['stderr']:.4f}"
+                lines.append(f"{label:<24} {metric:<14} {value:>10} {err:>10} "
+                             f"{r['num_items']:>7} {r['num_errors']:>7}")  # fmt: skip
     return "\n".join(lines)

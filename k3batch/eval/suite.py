@@ -6,7 +6,10 @@ ValueError naming the file, the task and the field. Data is the user's: nothing 
 A suite file is one task (the fields below at the top level) or `name`, `seed` and `tasks`, a
 list whose entries are tasks or paths of task files. Relative paths (data, few-shot data, task
 files) start at the folder of the file that names them. Templates are Jinja over one data row
-(a missing variable is an error); `choices` and `gold` are Jinja expressions.
+(a missing variable is an error; the description sees the item's row); `choices`, `gold` and
+`group_by` are Jinja expressions. Besides Jinja's own filters there is `regex_replace(pattern,
+replacement="")`, Python's `re.sub` over the whole text (evals/hellaswag.yaml cleans its text
+with it as lm-eval's hellaswag `preprocess` does).
 
     name: mmlu_tiny
     kind: multiple_choice          # multiple_choice | generate | loglikelihood_rolling
@@ -18,6 +21,14 @@ files) start at the folder of the file that names them. Templates are Jinja over
     continuation: " {{ choice }}"                    # each choice's text after the context
     fewshot_data: data/mmlu_dev.jsonl                # examples: prompt + gold continuation
     num_fewshot: 5                                   # the same examples for every item
+
+`fewshot_sampler` picks the examples: "shuffle" (the rows shuffled with `fewshot_seed`, then the
+first `num_fewshot`) or "first_n" (the first rows in file order: lm-eval's `first_n`). With
+`group_by` (an expression naming a row's group, e.g. `subject`), an item's examples are drawn
+from the few-shot rows of its own group, and scoring reports each group's metrics under
+`groups` and, as the task's metrics, lm-eval's group score: each metric's mean over the groups
+weighted by their item counts (`aggregate_subtask_metrics` with `weight_by_size`, as its mmlu
+group does) with the pooled standard error (`pooled_sample_stderr`). evals/mmlu.yaml uses both.
 
 Generation (GSM8K style) adds `target` (the gold answer text, a template; also the few-shot
 answer), `until` (stop strings), `max_gen_toks`, `temperature`, `num_samples` and `pass_k`,
@@ -32,6 +43,7 @@ import functools
 import importlib.util
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -55,7 +67,8 @@ class TaskSpec:
     description: str = ""  # template, before the few-shot examples
     fewshot_data: str | None = None
     num_fewshot: int = 0
-    fewshot_seed: int = 1234  # which examples (shuffled with this seed, the first num_fewshot)
+    fewshot_sampler: Literal["shuffle", "first_n"] = "shuffle"
+    fewshot_seed: int = 1234  # shuffle: the rows shuffled with this seed, the first num_fewshot
     fewshot_separator: str = "\n\n"
     target: str = ""  # generate: template of the gold answer text (and the few-shot answers)
     choices: str = ""  # multiple_choice: expression, a list of strings
@@ -70,6 +83,7 @@ class TaskSpec:
     match: Literal["exact", "math"] = "exact"
     ignore: tuple[str, ...] = ()  # removed from both answers before an exact match
     max_len: int | None = None  # rolling: tokens per window
+    group_by: str | None = None  # expression: the row's group (few-shot examples, metrics)
     limit: int | None = None  # the first `limit` items only
 
 
@@ -80,9 +94,15 @@ class SuiteSpec:
     tasks: tuple[TaskSpec, ...] = ()
 
 
+def _regex_replace(text, pattern: str, replacement: str = "") -> str:
+    """The template filter `regex_replace`: re.sub over the whole text."""
+    return re.sub(pattern, replacement, str(text))
+
+
 _ENV = jinja2.sandbox.ImmutableSandboxedEnvironment(
     undefined=jinja2.StrictUndefined, keep_trailing_newline=True
 )
+_ENV.filters["regex_replace"] = _regex_replace
 
 
 def render(template: str, row: dict, **extra) -> str:
@@ -91,6 +111,11 @@ def render(template: str, row: dict, **extra) -> str:
 
 def evaluate(expression: str, row: dict):
     return _expression(expression)(**row)
+
+
+def group_of(task: TaskSpec, row: dict) -> str | None:
+    """The group of `row` (group_by's value as a string); None when the task has no group_by."""
+    return None if task.group_by is None else str(evaluate(task.group_by, row))
 
 
 @functools.lru_cache(maxsize=64)
@@ -243,11 +268,39 @@ def _validate(t: TaskSpec) -> None:
         raise ValueError(f"max_len = {t.max_len} must be >= 2")
     if t.limit is not None and t.limit < 1:
         raise ValueError(f"limit = {t.limit} must be >= 1")
+    if t.group_by is not None:
+        if t.kind == "loglikelihood_rolling":
+            raise ValueError("group_by: a rolling task's metrics are not means over items")
+        expressions["group_by"] = t.group_by
     columns = set(rows[0]) | {"choice"}
     for name, source in templates.items():
         _check_variables(name, _parse(name, source), columns, t.data)
     for name, source in expressions.items():
         _check_variables(name, _parse(name, "{{ " + source + " }}"), columns, t.data)
+    if t.group_by is not None:
+        _check_groups(t, rows, shots)
+
+
+def _check_groups(t: TaskSpec, rows: list[dict], shots: list[dict]) -> None:
+    """Every row has a group, and each item's group has num_fewshot few-shot rows."""
+
+    def groups(rows: list[dict], path: str) -> list[str]:
+        out = []
+        for n, row in enumerate(rows):
+            try:
+                out.append(group_of(t, row))
+            except Exception as e:
+                why = f"{type(e).__name__}: {e}"
+                raise ValueError(f"group_by on row {n} of {path!r}: {why}") from None
+        return out
+
+    num_shots = Counter(groups(shots, t.fewshot_data))
+    short = sorted({g for g in groups(rows, t.data) if num_shots[g] < t.num_fewshot})
+    if short:
+        listed = ", ".join(f"{g!r} ({num_shots[g]})" for g in short[:5])
+        more = f" and {len(short) - 5} more" if len(short) > 5 else ""
+        raise ValueError(f"num_fewshot = {t.num_fewshot}, but these groups have fewer rows in "
+                         f"fewshot_data: {listed}{more}")  # fmt: skip
 
 
 def _parse(name: str, source: str):

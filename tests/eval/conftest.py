@@ -6,7 +6,8 @@ import pytest
 from k3batch.engine.config import EngineConfig
 from k3batch.jobspec import InputSpec, JobSpec, OutputSpec, ReplicaSpec
 from k3batch.model import get_flavor
-from k3batch.model.weights import write_checkpoint
+from k3batch.model.weights import init_checkpoint, write_checkpoint
+from k3batch.tokenizer import Tokenizer
 
 WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "river", "stone"]
 
@@ -19,6 +20,14 @@ def shallow_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt") / "k3-shallow"
     write_checkpoint(config.validate(), path, seed=0)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tok(tmp_path_factory):
+    """k3-debug's tokenizer: what request building needs, without a model."""
+    path = tmp_path_factory.mktemp("tok")
+    init_checkpoint("k3-debug", path, seed=0)
+    return Tokenizer.from_dir(path)
 
 
 def eval_job(model: str, out, name: str, *, replicas: int = 1, **engine) -> JobSpec:

@@ -124,6 +124,8 @@ def test_resumed_eval_on_fewer_replicas_writes_identical_results(cluster, shallo
     assert again.report.rows_skipped_resumed > 0 and again.report.rows_written > 0
     assert (out / "results.json").read_text() == results
     assert (out / "items.jsonl").read_text() == items
+    mc = again.results["tasks"]["tiny_mc"]  # grouped by topic: 5 items in set1, 3 in set2
+    assert {g: t["num_items"] for g, t in mc["groups"].items()} == {"set1": 5, "set2": 3}
 
 
 @pytest.mark.slow  # two CLI processes; the resume itself is covered by the test above

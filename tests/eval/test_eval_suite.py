@@ -9,17 +9,8 @@ import pytest
 from k3batch.eval.requests import build_requests, encode_pair, rolling_windows
 from k3batch.eval.score import cut, pass_at_k, score
 from k3batch.eval.suite import load_suite
-from k3batch.model.weights import init_checkpoint
-from k3batch.tokenizer import Tokenizer
 
 EVALS = Path(__file__).parents[2] / "evals"
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    init_checkpoint("k3-debug", path, seed=0)
-    return Tokenizer.from_dir(path)
 
 
 def _write(tmp_path, text: str, rows=None) -> Path:
@@ -136,6 +127,7 @@ def test_scoring_multiple_choice_and_errors(tmp_path):
     assert records[0]["pred"] == 0 and records[0]["pred_norm"] == 1  # -2/4 < -2.5/8
     assert t["metrics"]["acc"]["value"] == 0.0 and t["metrics"]["acc_norm"]["value"] == 1.0
     assert records[1]["error"] == "boom" and "incomplete" in records[2]["error"]
+    assert "groups" not in t and "group" not in records[0]  # only a task with group_by has them
 
 
 def test_scoring_generations(tmp_path):
