@@ -38,14 +38,14 @@ def pipeline_fill(
     device: str,
     repeats: int = 2,
 ) -> list[dict]:
-    from k3batch.actors.pipeline import PipelineRunner
+    from k3batch.actors.world import spawn_runners
 
     max_len = max(chunk_counts) * chunk_tokens + 1
     cfg = EngineConfig(
         max_num_seqs=1, max_seq_len=max_len, chunk_size=chunk_tokens, max_batch_tokens=chunk_tokens
     )
     pages = list(range(-(-max_len // cfg.page_size)))  # one request: block 0, pages from 0
-    runner = PipelineRunner(
+    runner, _ = spawn_runners(
         model_dir,
         num_stages=num_stages,
         engine_config=cfg,

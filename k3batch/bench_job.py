@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import SamplingParams
+from k3batch.report import handoff_line
 
 
 def write_random_prompts(path: Path, num_prompts: int, input_len: int, vocab: int,
@@ -37,9 +38,10 @@ def write_random_prompts(path: Path, num_prompts: int, input_len: int, vocab: in
 
 def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
                   output_len: int, device: str = "auto", model_dir=None, seed: int = 0,
-                  num_replicas: int = 1, max_num_seqs: int = 0,
+                  num_replicas: int = 1, max_num_seqs: int = 0, layout: dict | None = None,
                   engine_alone: bool = True) -> dict:  # fmt: skip
-    """The job and (engine_alone) the single engine on the same prompts; a row of numbers."""
+    """The job and (engine_alone) the single engine on the same prompts; a row of numbers.
+    layout: the replicas' pp, tp, dcp, disaggregate (default: one device each)."""
     from k3batch.actors.build import build_engine, default_device
     from k3batch.driver.job import run_job
     from k3batch.jobspec import InputSpec, JobSpec, OutputSpec, ReplicaSpec
@@ -64,7 +66,8 @@ def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
     out = work / f"out-{time.strftime('%Y%m%d-%H%M%S')}"
     spec = JobSpec(model=str(model_dir), name="bench-job", input=InputSpec(path=str(data)),
                    output=OutputSpec(path=str(out)), sampling=sampling, engine=engine,
-                   replicas=ReplicaSpec(num_replicas=num_replicas, device=dev))  # fmt: skip
+                   replicas=ReplicaSpec(num_replicas=num_replicas, device=dev,
+                                        **(layout or {})))  # fmt: skip
     report = run_job(spec)
     if not report.is_complete:
         raise RuntimeError(f"the benchmark job left rows without output: {report.missing}")
@@ -81,8 +84,10 @@ def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
         "job_output_tokens_per_s": round(report.output_tokens / wall, 1),
         "job_output_tokens_per_s_after_startup": round(
             report.output_tokens / max(wall - startup, 1e-9), 1),
-        "output_tokens": report.output_tokens,
+        "output_tokens": report.output_tokens, "layout": layout or {},
     }  # fmt: skip
+    if report.decode_groups:
+        row["handoff"] = [handoff_line(d) for d in report.decode_groups]
     if engine_alone:
         eng, _ = build_engine(str(model_dir), engine, device=dev)
         eng.generate(prompts[: min(2, num_prompts)], sampling)  # warm-up: compile, autotune
@@ -99,7 +104,8 @@ def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
 def format_job_bench(row: dict) -> str:
     lines = [
         f"job: {row['num_prompts']} prompts x {row['input_len']} tokens -> {row['output_len']} "
-        f"new tokens, {row['flavor']}, {row['num_replicas']} replica(s), device {row['device']}",
+        f"new tokens, {row['flavor']}, {row['num_replicas']} replica(s) {row['layout']}, "
+        f"device {row['device']}",
         f"  wall {row['job_wall_s']:.1f} s (start-up {row['job_startup_s']:.1f} s), "
         f"{row['job_rows_per_s']:.2f} rows/s, input {row['job_input_tokens_per_s']:.0f} tok/s, "
         f"output {row['job_output_tokens_per_s']:.0f} tok/s "
@@ -109,6 +115,7 @@ def format_job_bench(row: dict) -> str:
         from k3batch.report import sizing_line
 
         lines.append(f"  replica sizing: {sizing_line(row['sizing'])}")
+    lines += [f"  handoff: {h}" for h in row.get("handoff", [])]
     if "engine_output_tokens_per_s" in row:
         lines.append(
             f"  engine alone: output {row['engine_output_tokens_per_s']:.0f} tok/s; job after "

@@ -13,8 +13,14 @@ accepted where a float is expected, a list where a tuple is.
     [input]   path, batch_rows, id_column, prompt_column, messages_column, token_ids_column
     [output]  path, logprobs, prompt_logprobs
     [sampling] temperature, top_p, top_k, seed, max_new_tokens, stop_token_ids, stop, ignore_eos
-    [replicas] num_replicas (N or {min, max}), pp, pp_layers, tp, dcp, device, num_gpus,
-               accelerator_type, gpus_per_node, max_inflight_rows, max_retries, wait_timeout_s
+    [replicas] num_replicas (N or {min, max}), pp, pp_layers, tp, dcp, disaggregate, device,
+               num_gpus, accelerator_type, gpus_per_node, max_inflight_rows, max_retries,
+               wait_timeout_s
+
+A replica is one engine on one device (pp = tp = 1), or actors: pp prefill stages and, when
+tp > 1 or `disaggregate = true`, a decode group of tp ranks that each finished prompt is handed
+to. `disaggregate = true` with pp = tp = 1 is the smallest disaggregated replica: one prefill
+stage on one GPU, one decode rank on another.
     [engine]  max_num_seqs, max_seq_len, chunk_size, max_batch_tokens, page_size, memory_pool,
               prefix_cache, cache_bytes, memory_fraction
 """
@@ -79,8 +85,9 @@ class ReplicaSpec:
     pp_layers: tuple[int, ...] | None = None  # layers per stage; default: whole AttnRes blocks
     tp: int = 1  # tensor-parallel decode ranks
     dcp: int = 1  # decode context parallelism for the MLA latent
+    disaggregate: bool = False  # a decode group apart from prefill also at tp = 1 (tp > 1: always)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda iff the spec asks for GPUs
-    num_gpus: float | None = None  # per replica; default pp * tp on cuda
+    num_gpus: float | None = None  # of a single-device replica (stages and ranks take 1 each)
     accelerator_type: str | None = None  # e.g. "H200": lets the autoscaler pick node types
     gpus_per_node: int = 8  # of the GPU nodes: a replica needing more spans nodes (PACK)
     max_inflight_rows: int = 64  # rows dispatched to one replica and not yet returned
@@ -100,6 +107,20 @@ class ReplicaSpec:
     def max_replicas(self) -> int:
         n = self.num_replicas
         return n.max if isinstance(n, ReplicaRange) else n
+
+    @property
+    def has_decode_group(self) -> bool:
+        return self.tp > 1 or self.disaggregate
+
+    @property
+    def is_single_device(self) -> bool:
+        """One engine in the replica actor's process: no stage or rank actors."""
+        return self.pp == 1 and not self.has_decode_group
+
+    @property
+    def num_workers(self) -> int:
+        """Stage and rank actors of a replica (one device each on cuda); 0: single device."""
+        return 0 if self.is_single_device else self.pp + (self.tp if self.has_decode_group else 0)
 
     @property
     def resolved_device(self) -> str:

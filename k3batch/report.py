@@ -34,7 +34,8 @@ class JobReport:
     peak_open_units: int = 0  # units held in driver memory at once (bounded by design)
     peak_inflight_rows: int = 0  # rows dispatched to one replica and not yet returned
     pipeline: list[dict] = field(default_factory=list)  # per replica with pp > 1: busy, bubble
-    decode_groups: list[dict] = field(default_factory=list)  # per replica with tp > 1: handoffs
+    # per replica with a decode group: its handoffs (`handoff_line`)
+    decode_groups: list[dict] = field(default_factory=list)
     cache: list[dict] = field(default_factory=list)  # per replica: memory and prefix-cache counters
     sizing: list[dict] = field(default_factory=list)  # per replica: `Engine.sizing`
     stage_s: dict[str, float] = field(
@@ -80,11 +81,7 @@ class JobReport:
             busy = " ".join(f"{b:.0%}" for b in p["busy"])
             lines.append(f"replica {i} pipeline: stage busy {busy}; bubble {p['bubble']:.0%}")
         for i, d in enumerate(self.decode_groups):
-            per_req = sum(d["handoff_bytes_per_rank"]) / max(d["handoffs"], 1)
-            lines.append(
-                f"replica {i} handoff: {d['handoffs']} requests, {per_req:,.0f} B each "
-                f"(per rank {d['handoff_bytes_per_rank']})"
-            )
+            lines.append(f"replica {i} handoff: {handoff_line(d)}")
         for i, c in enumerate(self.cache):
             lines.append(f"replica {i} cache: {cache_line(c)}")
         for i, z in enumerate(self.sizing):
@@ -102,6 +99,20 @@ class JobReport:
                 rows = "an unknown number of rows" if m["rows"] is None else f"{m['rows']} rows"
                 lines.append(f"  {m['file']}: {rows}; batches {m['batches']}: {m['why'][0]}")
         return "\n".join(lines)
+
+
+def handoff_line(group: dict) -> str:
+    """Handoffs of one decode group (`DecodeGroupRunner.stats`), per request: the bytes all
+    ranks received, the time (the slowest rank's mean, from posting its receives to the data
+    in its memory; the ranks receive at once) and the bandwidth that gives."""
+    n = max(group["handoffs"], 1)
+    per_req = sum(group["handoff_bytes_per_rank"]) / n
+    seconds = max(group["handoff_s_per_rank"]) / n
+    gbps = per_req / seconds / 1e9 if seconds else 0.0
+    return (
+        f"{group['handoffs']} requests, {per_req:,.0f} B, {seconds * 1e3:.2f} ms, "
+        f"{gbps:.2f} GB/s each (bytes per rank {group['handoff_bytes_per_rank']})"
+    )
 
 
 def cache_line(stats: dict) -> str:

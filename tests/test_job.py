@@ -35,6 +35,7 @@ def _spec(model_dir, inp, out, **kw) -> JobSpec:
             pp=kw.pop("pp", 1),
             tp=kw.pop("tp", 1),
             dcp=kw.pop("dcp", 1),
+            disaggregate=kw.pop("disaggregate", False),
         ),
         engine=EngineConfig(max_num_seqs=kw.pop("max_num_seqs", 8), max_seq_len=128, chunk_size=64),
     )
@@ -332,9 +333,13 @@ def test_job_submitted_through_ray_jobs_completes(cluster, mini_model_dir, tmp_p
     assert pq.read_table(tmp_path / "out").num_rows == 5
 
 
-@pytest.mark.parametrize("pp,tp,dcp", [(4, 1, 1), (4, 2, 2)], ids=["pp4", "pp4-tp2-dcp2"])
+@pytest.mark.parametrize(
+    "pp,tp,dcp,disaggregate",
+    [(4, 1, 1, False), (4, 2, 2, False), (1, 1, 1, True)],
+    ids=["pp4", "pp4-tp2-dcp2", "pp1-tp1-disaggregated"],
+)
 def test_parallel_job_writes_the_same_tokens(
-    cluster, mini_model_dir, reference, tmp_path, pp, tp, dcp
+    cluster, mini_model_dir, reference, tmp_path, pp, tp, dcp, disaggregate
 ):
     inp = tmp_path / "in.parquet"
     _write_rows(inp, 8)
@@ -349,6 +354,7 @@ def test_parallel_job_writes_the_same_tokens(
         pp=pp,
         tp=tp,
         dcp=dcp,
+        disaggregate=disaggregate,
     )
     report = run_job(spec)
     rows = pq.read_table(tmp_path / "out").to_pylist()
@@ -356,9 +362,13 @@ def test_parallel_job_writes_the_same_tokens(
     assert {r["id"]: r["output_token_ids"] for r in rows} == want
     (pipe,) = report.pipeline
     assert len(pipe["busy"]) == pp and 0 <= pipe["bubble"] < 1
-    if tp > 1:
+    if tp > 1 or disaggregate:
         (group,) = report.decode_groups
-        assert group["handoffs"] == 8 and min(group["handoff_bytes_per_rank"]) > 0
+        assert group["handoffs"] == 8 and len(group["handoff_bytes_per_rank"]) == tp
+        assert min(group["handoff_bytes_per_rank"]) > 0 and min(group["handoff_s_per_rank"]) > 0
+        assert "replica 0 handoff: 8 requests" in report.summary() and "GB/s" in report.summary()
+    else:
+        assert not report.decode_groups
 
 
 def test_shared_system_prompt_job_reports_prefix_hits(cluster, mini_model_dir, tmp_path):

@@ -71,6 +71,31 @@ def test_spec_accepts_toml_shapes():
     assert spec.input == InputSpec()  # untouched sections keep their defaults
 
 
+LAYOUTS = [
+    # (replicas fields, GPU bundles after the coordinator's, decode group)
+    ({}, None, False),
+    ({"pp": 2}, 2, False),
+    ({"tp": 2}, 3, True),
+    ({"disaggregate": True}, 2, True),  # 1 prefill stage + 1 decode rank
+    ({"pp": 2, "tp": 2}, 4, True),
+    ({"pp": 2, "tp": 2, "disaggregate": True}, 4, True),
+]
+
+
+@pytest.mark.parametrize("fields, workers, decode", LAYOUTS, ids=[str(f) for f, *_ in LAYOUTS])
+def test_replica_bundles_hold_every_stage_and_decode_rank(fields, workers, decode):
+    from k3batch.driver.replicas import replica_bundles
+
+    r = job_spec_from_dict({"replicas": {**fields, "device": "cuda"}}).replicas
+    assert r.has_decode_group is decode
+    bundles, strategy = replica_bundles(r, "cuda")
+    if workers is None:  # single device: one bundle, the replica actor with its GPU
+        assert bundles == [{"CPU": 1, "GPU": 1}]
+    else:  # the coordinator, then one GPU per stage and per decode rank
+        assert bundles == [{"CPU": 1}] + [{"CPU": 1, "GPU": 1}] * workers
+    assert strategy == "STRICT_PACK"
+
+
 def test_validate_checks_types_of_a_python_built_spec(model_dir, tmp_path):
     spec = JobSpec(
         model=model_dir,

@@ -31,12 +31,14 @@ def build_engine(
     pp_layers=None,
     tp: int = 1,
     dcp: int = 1,
+    disaggregate: bool = False,
     placement_group=None,
 ) -> tuple[Engine, Tokenizer]:
-    """An engine on this device (pp = tp = 1), or a disaggregated one: a prefill pipeline of pp
-    stage actors and, with tp > 1, a decode group of tp rank actors (Ray). One placement group
-    holds the whole replica: bundle 0 the replica actor, bundles 1..pp the stages, bundles
-    pp + 1..pp + tp the decode ranks."""
+    """An engine on this device (pp = tp = 1, not disaggregated), or one whose model runs on
+    actors (Ray): a prefill pipeline of pp stage actors and, with tp > 1 or `disaggregate`, a
+    decode group of tp rank actors that prompts are handed to (pp = tp = 1 with disaggregate:
+    one stage, one rank). One placement group holds the whole replica: bundle 0 the replica
+    actor, bundles 1..pp the stages, bundles pp + 1..pp + tp the decode ranks."""
     engine_config = engine_config or EngineConfig()
     device = device or default_device()
     dtype = dtype or default_dtype(device)
@@ -47,32 +49,26 @@ def build_engine(
     tokenizer = Tokenizer.from_dir(model_dir)
     stops = tuple(tokenizer.stop_token_ids) or None
     text = dict(eos_token_ids=stops, stop_check=functools.partial(_has_stop, tokenizer))
-    if pp == 1 and tp == 1:
+    decode_group = tp > 1 or disaggregate
+    if pp == 1 and not decode_group:
         model = load_model(model_dir, dtype=dtype, device=device)
         return Engine(model, engine_config, **text), tokenizer
-    from k3batch.actors.decode import DecodeGroupRunner
-    from k3batch.actors.pipeline import PipelineRunner
+    from k3batch.actors.world import spawn_runners
     from k3batch.parallel.group import ParallelLayout
 
-    gpus = 1 if device == "cuda" else 0
     engine_config = sized(engine_config, cuda=device == "cuda")
-    shared = dict(engine_config=engine_config, device=device, dtype=dtype)
-    runner = PipelineRunner(
+    runner, decode = spawn_runners(
         model_dir,
         num_stages=pp,
+        decode_layout=ParallelLayout(tp_size=tp, dcp_size=dcp) if decode_group else None,
+        engine_config=engine_config,
+        device=device,
+        dtype=dtype,
+        stage_sizes=list(pp_layers) if pp_layers else None,
         placement_group=placement_group,
         first_bundle=1,
-        num_gpus_per_stage=gpus,
-        stage_sizes=list(pp_layers) if pp_layers else None,
-        **shared,
+        gpus_per_actor=1 if device == "cuda" else 0,
     )
-    decode = None
-    if tp > 1:
-        layout = ParallelLayout(tp_size=tp, dcp_size=dcp)
-        decode = DecodeGroupRunner(
-            model_dir, layout, placement_group=placement_group, first_bundle=1 + pp,
-            gpus_per_rank=gpus, **shared,
-        )
     engine = Engine(None, engine_config, runner=runner, decode_runner=decode, **text)
     return engine, tokenizer
 

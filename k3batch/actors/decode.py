@@ -1,14 +1,17 @@
-"""The decode half of a replica: a TP group of DecodeRankActors (one per device, STRICT_PACK so
-they share a node) with one torch.distributed group among them (NCCL on GPU, gloo on CPU), and
-the DecodeGroupRunner that drives it behind the engine's runner protocol.
+"""The decode half of a replica: a TP group of N DecodeRankActors (one per device, N >= 1;
+STRICT_PACK so they share a node), and the DecodeGroupRunner that drives it behind the engine's
+runner protocol. The ranks are world ranks P..P+N-1 of the replica's process group (NCCL on
+GPU, gloo on CPU), after the P prefill stages; their TP and DCP groups are subgroups of it.
 
 Each rank loads only its shard of the checkpoint and keeps, in its arena (`cache.paged`), per
 request a KDA block with its heads of every KDA state and MLA pages with its token stripe of
 every latent (DCP). The engine places blocks and pages for all ranks at once (the same
-indices everywhere). Requests arrive by handoff: the
-prefill side reshards a finished prompt's caches to each rank's layout and the pieces travel
-actor to actor through the object store (never through the driver).
+indices everywhere). Requests arrive by handoff: every prefill stage reshards its layers of a
+finished prompt to each rank's layout and sends them, one packed buffer per rank, over the
+replica's group (device to device on GPUs); only the buffers' manifests go through Ray.
 """
+
+import time
 
 import ray
 import torch
@@ -22,7 +25,6 @@ from k3batch.actors.placement import (
     get_within,
     join_process_group,
     member_info,
-    spawn_group,
 )
 from k3batch.cache.paged import PagedCache
 from k3batch.engine.config import EngineConfig
@@ -51,6 +53,7 @@ class DecodeRankActor:
         self.device = actor_device(device)
         self.config = K3Config.from_hf(model_dir)
         self.handoff_bytes = 0
+        self.handoff_s = 0.0  # from posting the receives to the data in this rank's memory
         self.num_handoffs = 0
         self.static_steps = 0  # decode steps run on the static buffers (graphs on CUDA)
         self.broken: str | None = None  # why a handed-off request is missing: forward refuses
@@ -61,10 +64,14 @@ class DecodeRankActor:
     def ping(self) -> dict:
         return member_info() | {"role": "decode", "rank": self.tp_rank}
 
-    def init_group(self, host: str, port: int) -> None:
-        """Join the group, then build this rank's model and cache (they need the groups)."""
-        join_process_group(self.device.type, host, port, self.tp_rank, self.layout.tp_size)
-        tp_group, dcp_group = create_groups(self.layout)
+    def init_group(self, host: str, port: int, rank: int, world_size: int) -> None:
+        """Join the replica's group (world rank `rank`; the prefill stages are the ranks before
+        the decode ranks), then build this rank's model and cache (they need the groups)."""
+        join_process_group(self.device.type, host, port, rank, world_size)
+        self.num_stages = rank - self.tp_rank
+        tp_group, dcp_group = create_groups(self.layout, first_rank=self.num_stages)
+        decode_ranks = range(self.num_stages, self.num_stages + self.layout.tp_size)
+        handoff.connect(list(range(self.num_stages)), list(decode_ranks), rank, self.device)
         self.model = tp.build_rank_model(
             self.config, self.layout, tp_group, dcp_group, dtype=self.dtype, device=self.device,
             expert_dtype=resolve_expert_dtype(self.model_dir),
@@ -94,23 +101,34 @@ class DecodeRankActor:
     def apply(self, moves) -> None:
         self.cache.apply(moves)
 
-    def import_request(self, block: int, pages: list[int], pieces: list) -> int:
-        """Store a handed-off request in a block and pages: `pieces` are this rank's shares
-        (dicts, or object refs to them) from every prefill stage. Returns the bytes received.
-        Nobody waits for this call, so a failure (a piece lost with its stage, a fetch that
-        timed out) marks the rank broken: its next forward raises instead of decoding from a
-        cache that lacks the request."""
-        n = 0
+    def import_request(self, block: int, pages: list[int], manifests: list) -> int:
+        """Receive a handed-off request from every prefill stage and store it in a block and
+        pages: manifests[s] is the object ref of the manifest of the buffer that stage s (world
+        rank s) sends this rank. Returns the bytes received. Nobody waits for this call, so a
+        failure (a stage lost with its manifest or its buffer, a fetch that timed out) marks the
+        rank broken: its next forward raises instead of decoding from a cache that lacks the
+        request."""
         try:
-            for i, p in enumerate(pieces):
-                if isinstance(p, ray.ObjectRef):
-                    (p,) = get_within([p], CALL_TIMEOUT_S, [f"handoff piece of prefill stage {i}"])
-                self.cache.write_request_(block, pages, p)
-                n += handoff.handoff_bytes(p)
+            labels = [f"handoff manifest of prefill stage {s}" for s in range(len(manifests))]
+            manifests = get_within(list(manifests), CALL_TIMEOUT_S, labels)
+            # The stages posted their sends before returning the manifests: from here on it
+            # is the transfer.
+            t0 = time.perf_counter()
+            bufs = [torch.empty(m.num_bytes, dtype=torch.uint8, device=self.device)
+                    for m in manifests]  # fmt: skip
+            for work in [dist.irecv(b, src=s) for s, b in enumerate(bufs)]:
+                work.wait()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            seconds = time.perf_counter() - t0
+            for buf, m in zip(bufs, manifests):
+                self.cache.write_request_(block, pages, handoff.unpack(buf, m))
         except BaseException as e:
             self.broken = f"importing a request into block {block} failed: {e!r}"
             raise
+        n = sum(m.num_bytes for m in manifests)
         self.handoff_bytes += n
+        self.handoff_s += seconds
         self.num_handoffs += 1
         return n
 
@@ -138,6 +156,7 @@ class DecodeRankActor:
         return {
             "rank": self.tp_rank,
             "handoff_bytes": self.handoff_bytes,
+            "handoff_s": self.handoff_s,
             "handoffs": self.num_handoffs,
             "static_steps": self.static_steps,
             "graphs": len(self.graphs.graphs),
@@ -156,36 +175,10 @@ class DecodeGroupRunner:
     depth = 1
     pads_decode = True
 
-    def __init__(
-        self,
-        model_dir: str,
-        layout: ParallelLayout,
-        *,
-        engine_config: EngineConfig,
-        device: str,
-        dtype: torch.dtype,
-        placement_group=None,
-        first_bundle: int = 0,
-        gpus_per_rank: float = 0,
-    ):
-        self.config, self.layout = K3Config.from_hf(model_dir), layout
+    def __init__(self, ranks: list, *, config: K3Config, layout: ParallelLayout):
+        """ranks: the rank actors, joined in the replica's group (`world.spawn_runners`)."""
+        self.ranks, self.config, self.layout = ranks, config, layout
         self.dcp_size = layout.dcp_size
-        kwargs = dict(
-            model_dir=model_dir,
-            layout=layout,
-            engine_config=engine_config,
-            device=device,
-            dtype=dtype,
-        )
-        self.ranks = spawn_group(
-            DecodeRankActor,
-            [kwargs | {"tp_rank": r} for r in range(layout.tp_size)],
-            device=device,
-            placement_group=placement_group,
-            first_bundle=first_bundle,
-            num_gpus=gpus_per_rank,
-            role="decode rank",
-        )
         self.labels = [f"decode rank {r}" for r in range(layout.tp_size)]
 
     call_timeout_s = CALL_TIMEOUT_S
@@ -213,7 +206,8 @@ class DecodeGroupRunner:
                 a.apply.remote(moves)
 
     def import_request(self, block: int, pages: list[int], per_rank: list[list]) -> list:
-        """per_rank[r]: rank r's pieces from every prefill stage (dicts or object refs)."""
+        """per_rank[r]: the refs of rank r's manifests from every prefill stage, in stage
+        order (`PipelineRunner.export_request`)."""
         return [
             a.import_request.remote(block, pages, per_rank[r]) for r, a in enumerate(self.ranks)
         ]
@@ -222,6 +216,7 @@ class DecodeGroupRunner:
         ranks = self._get([a.stats.remote() for a in self.ranks])
         return {
             "handoff_bytes_per_rank": [s["handoff_bytes"] for s in ranks],
+            "handoff_s_per_rank": [s["handoff_s"] for s in ranks],
             "handoffs": ranks[0]["handoffs"],
             "static_steps": ranks[0]["static_steps"],
             "graphs_per_rank": [s["graphs"] for s in ranks],

@@ -1,5 +1,5 @@
-"""PipelineRunner: a chunked pipeline-parallel prefill (and, until decode groups exist, decode)
-over P PrefillStageActors, behind the engine's runner protocol (`engine/runner.py`).
+"""PipelineRunner: a chunked pipeline-parallel prefill (and decode, in a replica without a decode
+group) over P PrefillStageActors, behind the engine's runner protocol (`engine/runner.py`).
 
 `submit` sends one batch to every stage (stage 0 gets the token ids) and returns immediately;
 up to P batches are in flight, so all stages work at once. `bubble()` turns the stages'
@@ -10,51 +10,21 @@ one raises TimeoutError after `call_timeout_s`; the replica then goes down and i
 """
 
 import ray
-import torch
 
-from k3batch.actors.placement import CALL_TIMEOUT_S, batch_meta, get_within, spawn_group
-from k3batch.actors.prefill import PrefillStageActor
+from k3batch.actors.placement import CALL_TIMEOUT_S, batch_meta, get_within
 from k3batch.model.config import K3Config
 from k3batch.model.forward_batch import ForwardBatch
-from k3batch.parallel.pipeline import split_layers
 
 
 class PipelineRunner:
-    def __init__(
-        self,
-        model_dir: str,
-        *,
-        num_stages: int,
-        engine_config,
-        device: str,
-        dtype: torch.dtype,
-        stage_sizes: list[int] | None = None,
-        placement_group=None,
-        first_bundle: int = 0,
-        num_gpus_per_stage: float = 0,
-    ):
-        self.config = K3Config.from_hf(model_dir)
-        self.depth = num_stages
-        self.layer_ranges = split_layers(
-            self.config.num_hidden_layers, num_stages, self.config.attn_res_block_size, stage_sizes
-        )
-        kwargs = dict(
-            model_dir=model_dir,
-            num_stages=num_stages,
-            engine_config=engine_config,
-            device=device,
-            dtype=dtype,
-        )
-        self.stages = spawn_group(
-            PrefillStageActor,
-            [kwargs | {"layer_range": rng, "rank": r} for r, rng in enumerate(self.layer_ranges)],
-            device=device,
-            placement_group=placement_group,
-            first_bundle=first_bundle,
-            num_gpus=num_gpus_per_stage,
-            role="prefill stage",
-        )
-        self.labels = [f"prefill stage {r}" for r in range(num_stages)]
+    def __init__(self, stages: list, *, config: K3Config, layer_ranges: list[tuple[int, int]],
+                 num_decode_ranks: int = 0):  # fmt: skip
+        """stages: the stage actors, joined in the replica's group (`world.spawn_runners`);
+        num_decode_ranks: the ranks of the decode group they hand requests to (0: none)."""
+        self.stages, self.config, self.layer_ranges = stages, config, layer_ranges
+        self.depth = len(stages)
+        self.num_decode_ranks = num_decode_ranks
+        self.labels = [f"prefill stage {r}" for r in range(len(stages))]
 
     dcp_size = 1
     call_timeout_s = CALL_TIMEOUT_S
@@ -84,11 +54,12 @@ class PipelineRunner:
     def wait(self, refs):
         return self._get(refs)[-1]  # every stage's ref: a failing stage raises here
 
-    def export_request(self, block: int, pages: list[int], num_tokens: int, layout) -> list:
-        """Per decode rank, the object refs of its pieces from every stage."""
-        n = layout.tp_size
+    def export_request(self, block: int, pages: list[int], num_tokens: int) -> list:
+        """Every stage sends its layers of one request to the decode ranks (over the replica's
+        group); per decode rank, the refs of its manifests from every stage, in stage order."""
+        n = self.num_decode_ranks
         refs = [
-            s.export_request.options(num_returns=n).remote(block, pages, num_tokens, layout)
+            s.export_request.options(num_returns=n).remote(block, pages, num_tokens)
             for s in self.stages
         ]
         refs = [r if n > 1 else [r] for r in refs]

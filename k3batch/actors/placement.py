@@ -1,9 +1,11 @@
 """Groups of actors that talk over torch.distributed: one actor per bundle of a placement group,
 and the rendezvous that joins them into one process group (NCCL on GPU, gloo on CPU).
 
-Protocol for a group actor class: `endpoint()` returns `free_endpoint()` (called on rank 0 only),
-`init_group(host, port)` calls `join_process_group` before anything that needs the group, and
-`ping()` returns `member_info()` (the replica's watchdog and the fault tests call it).
+A world may hold actors of several classes (a replica's prefill stages and decode ranks: one
+group, so that the handoff can go stage to rank over it). Protocol for a member class:
+`endpoint()` returns `free_endpoint()` (called on world rank 0 only), `init_group(host, port,
+rank, world_size)` calls `join_process_group` before anything that needs the group, and `ping()`
+returns `member_info()` (the replica's watchdog and the fault tests call it).
 
 Nothing here waits without a bound: spawning a group waits at most `timeout_s` for the actors to
 be placed, load their weights and join (then kills them and raises TimeoutError naming who did
@@ -16,6 +18,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import ray
@@ -79,36 +82,58 @@ def get_within(refs: list, timeout_s: float, labels: list[str]) -> list:
     return ray.get(list(refs))
 
 
-def spawn_group(actor_cls, kwargs_per_rank: list[dict], *, device: str, placement_group=None,
-                first_bundle: int = 0, num_gpus: float = 0, role: str = "rank",
-                timeout_s: float = SPAWN_TIMEOUT_S) -> list:  # fmt: skip
-    """One actor per rank (rank r in bundle first_bundle + r when a placement group is given),
-    joined into one process group before this returns, all within `timeout_s`. On any failure
-    (an actor died while loading, resources that never came, a hung rendezvous) every actor of
-    the group is killed and the error raised: a TimeoutError says which `role` ranks did not
-    answer and, if the placement group is not fully placed, its bundles."""
-    remote_cls = ray.remote(actor_cls)
-    actors = []
-    labels = [f"{role} {r}" for r in range(len(kwargs_per_rank))]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Members:
+    """One kind of member of a world: the actor class, one kwargs dict per member (in world
+    rank order), the role that names them ("prefill stage"), the placement-group bundle of the
+    first member (the others follow) and the GPUs each takes."""
+
+    actor_cls: type
+    kwargs: list[dict]
+    role: str
+    first_bundle: int = 0
+    num_gpus: float = 0
+
+
+def spawn_world(parts: list[Members], *, device: str, placement_group=None,
+                timeout_s: float = SPAWN_TIMEOUT_S) -> list[list]:  # fmt: skip
+    """One actor per member of every part, all joined into one process group before this
+    returns (world rank = position in the parts taken in order; `init_group(host, port, rank,
+    world_size)` on each), within `timeout_s`; returns the actors of each part. On any failure
+    (an actor died while loading, resources that never came, a hung rendezvous) every actor is
+    killed and the error raised: a TimeoutError names the members that did not answer and, if
+    the placement group is not fully placed, its bundles."""
+    actors, labels, sizes = [], [], []
     t0 = time.monotonic()
     try:
-        for r, kwargs in enumerate(kwargs_per_rank):
-            opts = {"num_cpus": 1 if device == "cpu" else 0.1, "num_gpus": num_gpus}
-            if placement_group is not None:
-                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group, placement_group_bundle_index=first_bundle + r
-                )
-            actors.append(remote_cls.options(**opts).remote(**kwargs))
+        for part in parts:
+            remote_cls = ray.remote(part.actor_cls)
+            opts = {"num_cpus": 1 if device == "cpu" else 0.1, "num_gpus": part.num_gpus}
+            for r, kwargs in enumerate(part.kwargs):
+                if placement_group is not None:
+                    opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                        placement_group, placement_group_bundle_index=part.first_bundle + r
+                    )
+                actors.append(remote_cls.options(**opts).remote(**kwargs))
+                labels.append(f"{part.role} {r}")
+            sizes.append(len(part.kwargs))
         ((host, port),) = get_within([actors[0].endpoint.remote()], timeout_s, labels[:1])
         left = timeout_s - (time.monotonic() - t0)
-        get_within([a.init_group.remote(host, port) for a in actors], max(left, 1.0), labels)
+        n = len(actors)
+        joins = [a.init_group.remote(host, port, rank, n) for rank, a in enumerate(actors)]
+        get_within(joins, max(left, 1.0), labels)
     except TimeoutError as e:
         _kill(actors)
-        raise TimeoutError(f"starting a group of {role}s: {e}{_missing(placement_group)}") from e
+        roles = " and ".join(f"{p.role}s" for p in parts)
+        raise TimeoutError(f"starting a group of {roles}: {e}{_missing(placement_group)}") from e
     except BaseException:
         _kill(actors)
         raise
-    return actors
+    out, first = [], 0
+    for size in sizes:
+        out.append(actors[first : first + size])
+        first += size
+    return out
 
 
 def _missing(pg) -> str:

@@ -7,6 +7,10 @@ torch.distributed point-to-point (gloo on CPU, NCCL on GPU) inside the actors; n
 through the object store except the last stage's logits. Calls run one at a time in
 submission order, so consecutive chunks flow through the stages like a conveyor: stage s works
 on chunk c while stage s-1 works on chunk c+1, and a stage's send overlaps its next chunk.
+
+Stages are world ranks 0..P-1 of the replica's group; with a decode group, its ranks follow
+(P..P+N-1) and every stage hands its layers of a finished request to each of them over the
+same group (`export_request`, `parallel.handoff`).
 """
 
 import time
@@ -27,7 +31,8 @@ from k3batch.engine.config import EngineConfig
 from k3batch.engine.runner import arena_bytes
 from k3batch.model.forward_batch import ForwardBatch
 from k3batch.model.loader import load_model
-from k3batch.parallel.handoff import reshard_request
+from k3batch.parallel import handoff
+from k3batch.parallel.group import ParallelLayout, create_groups
 from k3batch.parallel.pipeline import bank_size, pack_stream, unpack_stream
 
 # Compute intervals a stage remembers (the newest); enough for bubble statistics of any bench,
@@ -43,11 +48,13 @@ class PrefillStageActor:
         *,
         rank: int,
         num_stages: int,
+        decode_layout: ParallelLayout | None = None,
         engine_config: EngineConfig,
         device: str,
         dtype: torch.dtype,
     ):
-        self.rank, self.num_stages = rank, num_stages
+        """decode_layout: the decode group this stage hands requests to (None: none)."""
+        self.rank, self.num_stages, self.decode_layout = rank, num_stages, decode_layout
         self.device = actor_device(device)
         self.model = load_model(model_dir, dtype=dtype, device=self.device, layer_range=layer_range)
         self.config, self.dtype = self.model.config, dtype
@@ -62,12 +69,18 @@ class PrefillStageActor:
         # Wall-clock compute intervals (the newest BUSY_WINDOW); receive and send are excluded.
         self.busy: deque[tuple[float, float]] = deque(maxlen=BUSY_WINDOW)
         self._send = None  # (work, tensor) of the last isend
+        self._handoffs: list = []  # (work, buffer) of handoff sends not known to be complete
 
     def endpoint(self) -> tuple[str, int]:
         return free_endpoint()
 
-    def init_group(self, host: str, port: int) -> None:
-        join_process_group(self.device.type, host, port, self.rank, self.num_stages)
+    def init_group(self, host: str, port: int, rank: int, world_size: int) -> None:
+        assert rank == self.rank, (rank, self.rank)  # stages come first in the world
+        join_process_group(self.device.type, host, port, rank, world_size)
+        if self.decode_layout is not None:
+            create_groups(self.decode_layout, first_rank=self.num_stages)  # collective
+            stages, ranks = range(self.num_stages), range(self.num_stages, world_size)
+            handoff.connect(list(stages), list(ranks), rank, self.device)
 
     def ping(self) -> dict:
         return member_info() | {"role": "prefill", "rank": self.rank}
@@ -111,12 +124,21 @@ class PrefillStageActor:
     def apply(self, moves) -> None:
         self.cache.apply(moves)
 
-    def export_request(self, block: int, pages: list[int], num_tokens: int, layout) -> list:
-        """This stage's layers of one request, resharded for each decode rank (call with
-        num_returns = tp_size: one object per rank, fetched by that rank directly)."""
+    def export_request(self, block: int, pages: list[int], num_tokens: int):
+        """Send this stage's layers of one request to every decode rank r (world rank P + r),
+        resharded and packed into one buffer each, without waiting for the ranks to receive;
+        returns the manifests, one per rank (call with num_returns = tp_size: each rank fetches
+        its own). The buffers are copies: the engine may free the request's block and pages."""
+        layout = self.decode_layout
         full = self.cache.request_tensors(block, pages, num_tokens)
-        pieces = [reshard_request(full, self.config, layout, r) for r in range(layout.tp_size)]
-        return pieces if len(pieces) > 1 else pieces[0]
+        self._handoffs = [(w, b) for w, b in self._handoffs if not w.is_completed()]
+        manifests = []
+        for r in range(layout.tp_size):
+            pieces = handoff.reshard_request(full, self.config, layout, r)
+            buf, manifest = handoff.pack(pieces, self.device)
+            self._handoffs.append((dist.isend(buf, dst=self.num_stages + r), buf))
+            manifests.append(manifest)
+        return manifests if len(manifests) > 1 else manifests[0]
 
     def request_tensors(self, block: int, pages: list[int], num_tokens: int) -> dict:
         """This stage's cache of one request (tests compare it with one device)."""

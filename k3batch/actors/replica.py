@@ -7,7 +7,7 @@ continuously over every submitted row (continuous batching), so a long row never
 others, and the driver refills the replica as rows come back (a bounded in-flight window). The
 replica keeps no state the driver needs: a restarted actor starts empty and the driver resubmits
 the rows it had in flight. The single-device replica wraps `Engine`; the disaggregated replica
-(pipeline prefill, TP/DCP decode) keeps the same interface. Rows with bad values come back with
+(pipeline prefill, a decode group) keeps the same interface. Rows with bad values come back with
 an error; if the engine itself fails the process exits, so that Ray restarts the actor and the
 driver retries its rows.
 
@@ -53,6 +53,7 @@ class ReplicaActor:
         pp_layers=None,
         tp: int = 1,
         dcp: int = 1,
+        disaggregate: bool = False,
         placement_group=None,
     ):
         t0 = time.perf_counter()
@@ -64,6 +65,7 @@ class ReplicaActor:
             pp_layers=pp_layers,
             tp=tp,
             dcp=dcp,
+            disaggregate=disaggregate,
             placement_group=placement_group,
         )
         self.load_s = time.perf_counter() - t0

@@ -101,7 +101,7 @@ def _run(spec, sink, lease, report, ctx, progress_stream, replica_cls, replica_k
     r = spec.replicas
     started_ray = not ray.is_initialized()
     if started_ray:
-        local_cpus = r.max_replicas * (r.pp + r.tp + 1) + 2  # logical CPUs
+        local_cpus = r.max_replicas * (r.num_workers + 1) + 2  # logical CPUs
         ray.init(
             address=spec.address,
             num_cpus=None if spec.address else local_cpus,

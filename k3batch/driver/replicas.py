@@ -42,18 +42,19 @@ STATS_TIMEOUT_S = 30.0
 
 
 def replica_bundles(r: ReplicaSpec, device: str) -> tuple[list[dict], str]:
-    """The bundles of one replica and the group's strategy. pp = tp = 1: one bundle with the
-    replica's device(s). Otherwise bundle 0 is a light coordinator (the replica actor), then one
-    bundle (one device) per prefill stage, then one per decode rank (tp > 1)."""
+    """The bundles of one replica and the group's strategy. A single-device replica: one bundle
+    with the replica's device(s). Otherwise bundle 0 is a light coordinator (the replica actor),
+    then one bundle (one device) per prefill stage, then one per decode rank (a decode group:
+    tp > 1 or disaggregate)."""
     cuda = device == "cuda"
     accel = {f"accelerator_type:{r.accelerator_type}": 0.001} if r.accelerator_type and cuda else {}
-    if r.pp == 1 and r.tp == 1:
+    if r.is_single_device:
         gpus = (r.num_gpus if r.num_gpus is not None else 1) if cuda else 0
         bundles = [{"CPU": 1, "GPU": gpus, **accel}]
     else:
-        gpus = (r.pp + (r.tp if r.tp > 1 else 0)) if cuda else 0
+        gpus = r.num_workers if cuda else 0
         worker = {"CPU": 1, "GPU": 1 if cuda else 0, **accel}
-        bundles = [{"CPU": 1}] + [worker] * (r.pp + (r.tp if r.tp > 1 else 0))
+        bundles = [{"CPU": 1}] + [worker] * r.num_workers
     bundles = [{k: v for k, v in b.items() if v} for b in bundles]
     return bundles, "STRICT_PACK" if gpus <= r.gpus_per_node else "PACK"
 
@@ -157,7 +158,7 @@ class ReplicaPool:
                 self.on_ready(ref)
 
     def _create(self, i: int) -> None:
-        r, single = self.r, self.r.pp == 1 and self.r.tp == 1
+        r, single = self.r, self.r.is_single_device
         gpus = self.bundles[0].get("GPU", 0) if single else 0
         self.actors[i] = self.replica_cls.options(
             num_cpus=1,
@@ -177,6 +178,7 @@ class ReplicaPool:
             pp_layers=r.pp_layers,
             tp=r.tp,
             dcp=r.dcp,
+            disaggregate=r.disaggregate,
             placement_group=None if single else self.groups[i],
             **self.replica_kw,
         )

@@ -53,7 +53,9 @@ class Engine:
     ):
         """model: a K3Model run on its own device; or None with a `runner` (a pipeline).
         decode_runner: a separate decode group; requests are handed off to it when their
-        prompt is done, and prefill and decode batches then run at the same time.
+        prompt is done (`runner.export_request`, then `decode_runner.import_request`: the
+        prefill side must be a runner that can send, a pipeline of stage actors), and prefill
+        and decode batches then run at the same time.
         stop_check(stop strings, output token ids) -> bool: whether the output's text holds one
         of the strings (the caller knows the tokenizer); needed for requests with `stop`."""
         config = (config or EngineConfig()).validate()
@@ -66,6 +68,11 @@ class Engine:
         self.pool = self._account(self.runner, config.prefix_cache)
         self.decode_pool = None
         if decode_runner is not None:
+            if not hasattr(self.runner, "export_request"):
+                raise ValueError(
+                    "a decode group takes requests from prefill stage actors (a pipeline "
+                    "runner), not from a model in this process"
+                )
             self.decode_pool = self._account(decode_runner, False)
         mcfg = self.runner.config
         self.vocab_size = mcfg.vocab_size
@@ -270,7 +277,6 @@ class Engine:
 
     def _handoff(self) -> None:
         """Move prefilled requests to the decode group, in order, while they fit there."""
-        layout = self.decode_runner.layout
         for req in [r for r in self.running if r.phase is Phase.HANDOFF]:
             rid = req.request_id
             if self.decode_pool.admit(rid, [], req.num_computed + 1) is None:
@@ -280,12 +286,12 @@ class Engine:
                 self._abort(req, f"request of {n} tokens does not fit in the decode group's pool")
                 continue
             self.runner.apply(self.pool.drain())
-            pieces = self.runner.export_request(
-                self.pool.block_of(rid), self.pool.pages_of(rid), req.num_computed, layout
+            sent = self.runner.export_request(
+                self.pool.block_of(rid), self.pool.pages_of(rid), req.num_computed
             )
             self.decode_runner.apply(self.decode_pool.drain())
             self.decode_runner.import_request(
-                self.decode_pool.block_of(rid), self.decode_pool.pages_of(rid), pieces
+                self.decode_pool.block_of(rid), self.decode_pool.pages_of(rid), sent
             )
             self.pool.release(rid)
             req.phase = Phase.DECODE

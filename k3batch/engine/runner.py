@@ -139,11 +139,3 @@ class LocalRunner:
 
     def wait(self, handle):
         return handle
-
-    def export_request(self, block: int, pages: list[int], num_tokens: int, layout) -> list:
-        """One request's caches resharded for each rank of a decode group: per rank, a list
-        with one piece (see `parallel.handoff`)."""
-        from k3batch.parallel.handoff import reshard_request
-
-        full = self.cache.request_tensors(block, pages, num_tokens)
-        return [[reshard_request(full, self.config, layout, r)] for r in range(layout.tp_size)]

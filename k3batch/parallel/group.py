@@ -138,31 +138,40 @@ class ParallelLayout:
         return list(range(first, first + self.dcp_size))
 
 
-def create_groups(layout: ParallelLayout) -> tuple[ParallelGroup, ParallelGroup]:
-    """(tp, dcp) groups of this process, from the default process group.
+def create_groups(
+    layout: ParallelLayout, first_rank: int = 0
+) -> tuple[ParallelGroup, ParallelGroup] | None:
+    """(tp, dcp) groups of this process, from the default process group; None for a process
+    that is not a decode rank.
 
-    The world is cut into TP groups of tp_size consecutive ranks (world_size must be a multiple
-    of tp_size; usually it equals it), each cut into DCP groups of dcp_size consecutive ranks.
-    Collective: every process must call it, in the same order relative to other group creation
-    (`dist.new_group` is called for every group by every rank, in one order)."""
+    The decode ranks are the world ranks from `first_rank` on (a disaggregated replica's world
+    starts with its prefill stages), cut into TP groups of tp_size consecutive ranks (their
+    number must be a multiple of tp_size; usually it equals it), each cut into DCP groups of
+    dcp_size consecutive ranks. Collective: every process of the world must call it, decode
+    rank or not, in the same order relative to other group creation (`dist.new_group` is
+    called for every group by every process, in one order)."""
     layout.validate()
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % layout.tp_size:
-        raise ValueError(f"world_size = {world} is not a multiple of tp_size = {layout.tp_size}")
-    tp_rank = rank % layout.tp_size
-    return (
-        _new_group(world, rank, layout.tp_size, tp_rank),
-        _new_group(world, rank, layout.dcp_size, layout.dcp_rank(tp_rank)),
-    )
+    num_ranks = world - first_rank
+    if num_ranks < 1 or num_ranks % layout.tp_size:
+        raise ValueError(
+            f"{num_ranks} decode ranks (world_size = {world} from rank {first_rank}) are not a "
+            f"multiple of tp_size = {layout.tp_size}"
+        )
+    local = rank - first_rank  # this process's index among the decode ranks (< 0: none)
+    tp_rank = local % layout.tp_size
+    tp = _new_group(first_rank, world, local, layout.tp_size, tp_rank)
+    dcp = _new_group(first_rank, world, local, layout.dcp_size, layout.dcp_rank(tp_rank))
+    return (tp, dcp) if local >= 0 else None
 
 
-def _new_group(world: int, rank: int, size: int, local_rank: int) -> ParallelGroup:
+def _new_group(first_rank: int, world: int, local: int, size: int, local_rank: int):
     if size == 1:
         return ParallelGroup.single()
     mine = None
-    for first in range(0, world, size):
+    for first in range(first_rank, world, size):
         ranks = list(range(first, first + size))
         group = dist.new_group(ranks)  # every process creates every group, in order
-        if rank in ranks:
+        if first_rank + local in ranks:
             mine = group
-    return ParallelGroup(mine, local_rank, size)
+    return ParallelGroup(mine, local_rank, size) if local >= 0 else None

@@ -1,15 +1,28 @@
-"""Prefill -> decode handoff: one request's single-device caches cut into a decode rank's pieces.
+"""Prefill -> decode handoff: one request's single-device caches cut into a decode rank's pieces,
+packed into one byte buffer per (prefill stage, decode rank) pair for the replica's process group.
 
 A request's cache tensors (`PagedCache.request_tensors`) are
     {"kda_state": {layer: [H, K, V]}, "kda_conv": {layer: [3, C, W-1]},
      "mla_latent": {layer: [L, kv_lora + rope]}}   (L cached tokens)
 for any subset of layers (one pipeline stage's). Rank r of a TP group with DCP size M gets the
 same structure holding its KDA heads [r H/N, (r+1) H/N) and their conv channels, and the MLA
-latent rows i with i % M == r % M, in order (local index i // M). Pieces are contiguous copies:
-no float arithmetic happens, so `unshard_request(reshard...)` gives the input back exactly.
+latent rows i with i % M == r % M, in order (local index i // M). Pieces are views of the input;
+no float arithmetic happens anywhere here, so `unshard_request(reshard...)` and
+`unpack(*pack(...))` give their input back exactly.
+
+On the wire (`pack`): a rank's pieces from one stage travel as one uint8 buffer, the tensors in
+`KINDS` order then layer order, each starting at a multiple of `ALIGN_BYTES` (so that every
+slice can be viewed as its dtype). The `Manifest` (kinds, layers, shapes, dtypes, offsets) is a
+few hundred bytes and goes by Ray; the receiver allocates the buffer from it and receives into
+it. Between any two members of the group the messages arrive in the order sent, so both sides
+need no other agreement.
 """
 
+import math
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 
 from k3batch.parallel.group import ParallelLayout
 
@@ -28,19 +41,15 @@ def reshard_request(cache_tensors: dict, config, layout: ParallelLayout, tp_rank
     d = layout.dcp_rank(tp_rank)
     return {
         "kda_state": {
-            i: _copy(t.narrow(0, tp_rank * heads, heads))
+            i: t.narrow(0, tp_rank * heads, heads)
             for i, t in cache_tensors.get("kda_state", {}).items()
         },
         "kda_conv": {
-            i: _copy(t.narrow(1, tp_rank * channels, channels))
+            i: t.narrow(1, tp_rank * channels, channels)
             for i, t in cache_tensors.get("kda_conv", {}).items()
         },
-        "mla_latent": {i: _copy(t[d::M]) for i, t in cache_tensors.get("mla_latent", {}).items()},
+        "mla_latent": {i: t[d::M] for i, t in cache_tensors.get("mla_latent", {}).items()},
     }
-
-
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    return t.clone(memory_format=torch.contiguous_format)
 
 
 def unshard_request(pieces_by_rank: list[dict], layout: ParallelLayout) -> dict:
@@ -76,3 +85,60 @@ def handoff_bytes(pieces: dict) -> int:
     return sum(
         t.numel() * t.element_size() for kind in KINDS for t in pieces.get(kind, {}).values()
     )
+
+
+ALIGN_BYTES = 16  # every tensor of a packed buffer starts at a multiple of this
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """How one packed buffer unpacks: (kind, layer, shape, dtype, byte offset) per tensor, and
+    the buffer's size in bytes."""
+
+    entries: tuple[tuple[str, int, tuple[int, ...], torch.dtype, int], ...]
+    num_bytes: int
+
+
+def pack(pieces: dict, device) -> tuple[torch.Tensor, Manifest]:
+    """One rank's pieces (the format of `reshard_request`) copied into one uint8 buffer [num_bytes]
+    on `device`, and its manifest."""
+    entries, offset = [], 0
+    for kind in KINDS:
+        for i in sorted(pieces.get(kind, {})):
+            t = pieces[kind][i]
+            entries.append((kind, i, tuple(t.shape), t.dtype, offset))
+            offset += -(-t.numel() * t.element_size() // ALIGN_BYTES) * ALIGN_BYTES
+    buf = torch.empty(offset, dtype=torch.uint8, device=device)
+    for kind, i, shape, dtype, start in entries:
+        _slice(buf, shape, dtype, start).copy_(pieces[kind][i])
+    return buf, Manifest(tuple(entries), offset)
+
+
+def unpack(buf: torch.Tensor, manifest: Manifest) -> dict:
+    """The pieces of a packed buffer (views of `buf`), in the format of `reshard_request`."""
+    if buf.numel() != manifest.num_bytes:
+        raise ValueError(f"buffer of {buf.numel()} B, manifest of {manifest.num_bytes} B")
+    out = {kind: {} for kind in KINDS}
+    for kind, i, shape, dtype, start in manifest.entries:
+        out[kind][i] = _slice(buf, shape, dtype, start)
+    return out
+
+
+def _slice(buf: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, start: int):
+    n = math.prod(shape) * dtype.itemsize
+    return buf[start : start + n].view(dtype).view(shape)
+
+
+def connect(stage_ranks: list[int], decode_ranks: list[int], rank: int, device) -> None:
+    """One small message from every prefill stage to every decode rank of the default group, in
+    (stage, decode rank) order, from each member's side (`rank`: this process). NCCL creates a
+    pair's communicator at the pair's first message and blocks both sides until both are
+    there; doing it here, at start, lets a stage later post its sends and return before the
+    rank is ready to receive. The order makes the lowest unconnected pair always ready."""
+    x = torch.zeros(1, device=device)
+    for s in stage_ranks:
+        for r in decode_ranks:
+            if rank == s:
+                dist.send(x, dst=r)
+            elif rank == r:
+                dist.recv(x, src=s)

@@ -17,7 +17,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from k3batch.actors import prefill
 from k3batch.actors.decode import DecodeRankActor
-from k3batch.actors.placement import get_within, spawn_group
+from k3batch.actors.placement import Members, get_within, spawn_world
 from k3batch.actors.prefill import PrefillStageActor
 from k3batch.actors.replica import ReplicaActor
 from k3batch.engine.config import EngineConfig
@@ -53,20 +53,19 @@ def test_get_within_raises_the_first_error_and_names_who_is_late(cluster):
     ray.cancel(slow, force=True)
 
 
-def test_spawn_group_gives_up_on_resources_that_never_come(cluster, mini_model_dir):
-    """Old code: spawn_group's `ray.get(actors[0].endpoint.remote())` waits forever here."""
+def test_spawn_world_gives_up_on_resources_that_never_come(cluster, mini_model_dir):
+    """Old code: spawn_group's (now spawn_world's) `ray.get(actors[0].endpoint.remote())`
+    waits forever here."""
     pg = placement_group([{"CPU": 1, "k3batch_no_such_device": 1}])
     kwargs = dict(model_dir=mini_model_dir, engine_config=CFG, device="cpu", dtype=torch.float32)
     kwargs |= dict(layer_range=(0, 2), num_stages=1, rank=0)
     t0 = time.monotonic()
     try:
         with pytest.raises(TimeoutError) as err:
-            spawn_group(
-                PrefillStageActor,
-                [kwargs],
+            spawn_world(
+                [Members(actor_cls=PrefillStageActor, kwargs=[kwargs], role="prefill stage")],
                 device="cpu",
                 placement_group=pg,
-                role="prefill stage",
                 timeout_s=2,
             )
     finally:

@@ -1,14 +1,15 @@
 """Disaggregated replicas on Ray (CPU, gloo, k3batch.testing.K3_MINI): a prefill pipeline hands
-each finished prompt to a TP/DCP decode group. The handoff is exact (each rank's block and pages
-hold the single-device cache, resharded, byte for byte); greedy tokens equal the single-device
-engine's; requests that arrive while others decode get the tokens they get alone."""
+each finished prompt to a decode group (TP/DCP, or a single rank) over the replica's process
+group. The handoff is exact (each rank's block and pages hold the single-device cache,
+resharded, byte for byte) and its bytes and time are counted; greedy tokens equal the
+single-device engine's; requests that arrive while others decode get the tokens they get
+alone."""
 
 import pytest
 import ray
 import torch
 
-from k3batch.actors.decode import DecodeGroupRunner
-from k3batch.actors.pipeline import PipelineRunner
+from k3batch.actors.world import spawn_runners
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.engine import Engine
 from k3batch.engine.request import Phase, SamplingParams
@@ -34,12 +35,11 @@ def runners(cluster, mini_model_dir):
 
     def get(pp, tp, dcp):
         if (pp, tp, dcp) not in made:
-            shared = dict(engine_config=CFG, device="cpu", dtype=torch.float32)
             layout = ParallelLayout(tp_size=tp, dcp_size=dcp)
-            made[pp, tp, dcp] = (
-                PipelineRunner(mini_model_dir, num_stages=pp, **shared),
-                DecodeGroupRunner(mini_model_dir, layout, **shared),
-            )
+            made[pp, tp, dcp] = spawn_runners(
+                mini_model_dir, num_stages=pp, decode_layout=layout, engine_config=CFG,
+                device="cpu", dtype=torch.float32,
+            )  # fmt: skip
         return made[pp, tp, dcp]
 
     yield get
@@ -52,7 +52,11 @@ def _engine(prefill, decode) -> Engine:
     return Engine(None, CFG, runner=prefill, decode_runner=decode)
 
 
-@pytest.mark.parametrize("pp,tp,dcp", [(2, 2, 2), (1, 2, 1)], ids=["pp2-tp2-dcp2", "pp1-tp2-dcp1"])
+@pytest.mark.parametrize(
+    "pp,tp,dcp",
+    [(2, 2, 2), (1, 2, 1), (1, 1, 1)],
+    ids=["pp2-tp2-dcp2", "pp1-tp2-dcp1", "pp1-tp1-disaggregated"],
+)
 def test_disaggregated_engine_matches_one_device(mini_model_dir, runners, monkeypatch, pp, tp, dcp):
     prompts = _prompts(pp * 10 + tp)
     ref_engine = Engine(load_model(mini_model_dir, dtype=torch.float32), CFG)
@@ -68,7 +72,8 @@ def test_disaggregated_engine_matches_one_device(mini_model_dir, runners, monkey
     assert set(sizes) <= {1, 2, 4} and 4 in sizes  # 3 requests padded to a bucket of 4
     stats = decode.stats()
     assert stats["handoffs"] - before["handoffs"] == len(prompts)
-    assert min(stats["handoff_bytes_per_rank"]) > 0
+    for key in ("handoff_bytes_per_rank", "handoff_s_per_rank"):
+        assert all(a > b for a, b in zip(stats[key], before[key])), key
     # every decode step ran on the ranks' static buffers (the path graphs replay on GPUs)
     assert stats["static_steps"] - before["static_steps"] == len(sizes) > 0
     assert stats["graphs_per_rank"] == [0] * tp
@@ -117,3 +122,38 @@ def test_late_requests_get_the_tokens_they_get_alone(runners):
     while engine.has_unfinished():
         out |= {r.request_id: r for r in engine.step()}
     assert out["b"].output_token_ids == alone
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("pp,tp", [(1, 1), (1, 2), (2, 2)], ids=["pp1-tp1", "pp1-tp2", "pp2-tp2"])
+def test_disaggregated_engine_on_gpus_matches_one_gpu(cluster, mini_model_dir, pp, tp):
+    """The same on CUDA (bf16): the handoff goes GPU to GPU over NCCL. At pp = tp = 1 the
+    decode rank runs the single-device math, so greedy tokens are equal; with tp = 2 the
+    all-reduces change bf16 rounding, so the test reports token agreement and checks the first
+    token (sampled from the prefill's logits, before any handoff) of every request."""
+    if torch.cuda.device_count() < pp + tp:
+        pytest.skip(f"needs {pp + tp} GPUs, has {torch.cuda.device_count()}")
+    prompts = _prompts(5, lens=(11, 4, 23, 64))
+    model = load_model(mini_model_dir, dtype=torch.bfloat16, device="cuda")
+    ref = [r.output_token_ids for r in Engine(model, CFG).generate(prompts, GREEDY)]
+    del model
+    layout = ParallelLayout(tp_size=tp)
+    prefill, decode = spawn_runners(
+        mini_model_dir, num_stages=pp, decode_layout=layout, engine_config=CFG, device="cuda",
+        dtype=torch.bfloat16, gpus_per_actor=1,
+    )  # fmt: skip
+    try:
+        got = [r.output_token_ids for r in _engine(prefill, decode).generate(prompts, GREEDY)]
+        stats = decode.stats()
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    from k3batch.report import handoff_line
+
+    same = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r)) / sum(map(len, ref))
+    print(f"\npp {pp} tp {tp}: greedy tokens equal to one GPU {same:.1%}; {handoff_line(stats)}")
+    assert [g[0] for g in got] == [r[0] for r in ref]
+    if tp == 1:
+        assert got == ref
+    assert stats["handoffs"] == len(prompts) and min(stats["handoff_s_per_rank"]) > 0
+    assert min(stats["graphs_per_rank"]) > 0  # every rank captured its decode buckets

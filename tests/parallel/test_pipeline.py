@@ -6,7 +6,7 @@ with a chunk size that divides none of them; the default stage partition of K3_M
 import pytest
 import torch
 
-from k3batch.actors.pipeline import PipelineRunner
+from k3batch.actors.world import spawn_runners
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.runner import LocalRunner
 from k3batch.model.forward_batch import ForwardBatch
@@ -68,7 +68,7 @@ def test_pipeline_prefill_is_bit_identical(cluster, mini_model_dir, pp):
     g = torch.Generator().manual_seed(pp)
     prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (13, 29, 7)]
     local = LocalRunner(load_model(mini_model_dir, dtype=torch.float32), CFG)
-    runner = PipelineRunner(
+    runner, _ = spawn_runners(
         mini_model_dir, num_stages=pp, engine_config=CFG, device="cpu", dtype=torch.float32
     )
     try:

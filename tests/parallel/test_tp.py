@@ -34,7 +34,14 @@ from k3batch.model.forward_batch import ForwardBatch
 from k3batch.model.init import init_random_
 from k3batch.parallel.context import merge_lse, partial_attention
 from k3batch.parallel.group import ParallelGroup, ParallelLayout, create_groups
-from k3batch.parallel.handoff import handoff_bytes, reshard_request, unshard_request
+from k3batch.parallel.handoff import (
+    ALIGN_BYTES,
+    handoff_bytes,
+    pack,
+    reshard_request,
+    unpack,
+    unshard_request,
+)
 from k3batch.parallel.tp import build_rank_model, load_rank_weights_, shard_full_state_dict
 from k3batch.testing import K3_MINI, assert_close, slot_batch, slot_cache, slot_pages, slot_tensors
 
@@ -298,7 +305,7 @@ def test_handoff_is_exact(tp_size, dcp_size):
             cache = _rank_cache(config, layout, 3)
             cache.arena.fill_(0xFF)  # poison: bytes outside slot 1 must stay untouched
             before = cache.arena.clone()
-            cache.write_request_(1, slot_pages(cache, 1), p)
+            cache.write_request_(1, slot_pages(cache, 1), unpack(*pack(p, "cpu")))  # the wire
             num_tokens = len(next(iter(full["mla_latent"].values())))
             got = slot_tensors(cache, 1, -(-num_tokens // dcp_size))
             heads = config.kda_num_heads // tp_size
@@ -325,6 +332,29 @@ def test_handoff_is_exact(tp_size, dcp_size):
     stage = {k: {i: t for i, t in v.items() if i < 4} for k, v in ref.before[0].items()}
     piece = reshard_request(stage, config, layout, tp_size - 1)
     assert all(i < 4 for v in piece.values() for i in v) and piece["kda_state"]
+
+
+def test_packed_handoff_keeps_dtypes_shapes_and_bits():
+    """A rank's pieces through one byte buffer: fp32 states and bf16 conv states and latents of
+    sizes that are not multiples of the alignment, strided views (a DCP stripe) included."""
+    g = torch.Generator().manual_seed(0)
+    latent = torch.randn(7, 5, generator=g).to(torch.bfloat16)
+    pieces = {
+        "kda_state": {1: torch.randn(3, 5, 5, generator=g), 3: torch.randn(3, 5, 5, generator=g)},
+        "kda_conv": {1: torch.randn(3, 6, 3, generator=g).to(torch.bfloat16)},
+        "mla_latent": {2: latent[1::2]},
+    }
+    buf, manifest = pack(pieces, "cpu")
+    assert buf.dtype == torch.uint8 and buf.numel() == manifest.num_bytes
+    assert all(start % ALIGN_BYTES == 0 for *_, start in manifest.entries)
+    assert handoff_bytes(pieces) <= manifest.num_bytes < handoff_bytes(pieces) + 4 * ALIGN_BYTES
+    back = unpack(buf.clone(), manifest)
+    for kind, layers in pieces.items():
+        assert sorted(back[kind]) == sorted(layers)
+        for i, t in layers.items():
+            assert back[kind][i].dtype == t.dtype and torch.equal(back[kind][i], t), (kind, i)
+    with pytest.raises(ValueError, match="manifest"):
+        unpack(buf[:-1], manifest)
 
 
 def test_merge_lse_equals_softmax_over_all_tokens():
