@@ -2,9 +2,12 @@
 gives a row with positive throughput, and the computed communication volumes follow the
 layouts' formulas. The numbers themselves mean nothing on CPU."""
 
+import pytest
+
 from k3batch.bench_layouts import LayoutBench, format_rows, run_layout_bench
 
 
+@pytest.mark.slow  # 18 s of the default suite's 15 minutes; the GPU runs use the benchmark
 def test_layout_bench_runs_on_two_cpu_processes():
     bench = LayoutBench(
         flavor="k3-debug", num_devices=2, device="cpu", prompt_len=24, chunk_sizes=(8, 24),

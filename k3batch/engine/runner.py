@@ -62,27 +62,36 @@ def sized(config: EngineConfig, *, cuda: bool, seqs_fit: int | None = None) -> E
                                max_batch_tokens=config.batch_tokens(cuda))  # fmt: skip
 
 
+WARM_TAIL = 37  # tokens of the warm-up's continuation chunk: odd, and after a cached prefix
+
+
 def measure_workspace(model, config: EngineConfig, layout: CacheLayout) -> int:
     """Bytes that the largest prefill step allocates beyond the weights and the arena: one
     forward of max_batch_tokens tokens (requests of chunk_size tokens, the shape the engine
     plans) on a scratch cache, measured by the CUDA allocator's peak. It runs before the
-    arena exists; it also compiles and autotunes the prefill kernels for that shape."""
-    dev = next(model.parameters()).device
+    arena exists. It is also the prefill's warm-up: Triton compiles a kernel again for integer
+    arguments that are not multiples of 16 and for a chunk with a cached prefix, so a second
+    forward continues the first request by WARM_TAIL tokens; with the decode graphs' capture,
+    a job's steps then compile nothing (compiled kernels and fla's tuning results persist in
+    Triton's cache directory, so a restarted replica compiles nothing either)."""
+    dev, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     tokens, chunk = config.batch_tokens(True), config.chunk_size
     lens = [chunk] * (tokens // chunk) + ([tokens % chunk] if tokens % chunk else [])
-    scratch = PagedCache(layout, len(lens) * layout.request_bytes(chunk), device=dev,
-                         dtype=next(model.parameters()).dtype)  # fmt: skip
-    per = -(-chunk // layout.page_size)
-    n = len(lens)
+    n, per = len(lens), -(-(chunk + WARM_TAIL) // layout.page_size)
+    scratch = PagedCache(layout, n * layout.request_bytes(chunk + WARM_TAIL), device=dev,
+                         dtype=dtype)  # fmt: skip
     tables = [list(range(i * per, (i + 1) * per)) for i in range(n)]
-    batch = ForwardBatch(seq_lens=lens, cached_lens=[0] * n, slot_ids=list(range(n)),
+    first = ForwardBatch(seq_lens=lens, cached_lens=[0] * n, slot_ids=list(range(n)),
                          page_tables=tables)  # fmt: skip
-    ids = torch.zeros(tokens, dtype=torch.long, device=dev)
+    tail = ForwardBatch(seq_lens=[WARM_TAIL], cached_lens=[lens[0]], slot_ids=[0],
+                        page_tables=tables[:1])  # fmt: skip
     torch.cuda.synchronize(dev)
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     with torch.inference_mode():
-        model.forward_batch(ids, batch, scratch)
+        for batch in (first, tail):
+            ids = torch.zeros(batch.num_tokens, dtype=torch.long, device=dev)
+            model.forward_batch(ids, batch, scratch)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
     del scratch
