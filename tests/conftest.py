@@ -186,6 +186,17 @@ def cluster(ray_head):
 
 
 @pytest.fixture(scope="module")
+def local_ray():
+    """A Ray of this process alone, without the dashboard, for tests that need only actors: the
+    GPU hosts lack the dashboard's packages, which the shared head (`cluster`) starts."""
+    import ray
+
+    ray.init(include_dashboard=False, num_cpus=8)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
 def numbers(request):
     """A MetricsTable named by the module's NUMBERS_TABLE, printed (past output capture) after
     the module and saved to $K3_NUMCHECK_OUT when set: the GPU tests' numerical report."""

@@ -5,6 +5,8 @@ resharded, byte for byte) and its bytes and time are counted; greedy tokens equa
 single-device engine's; requests that arrive while others decode get the tokens they get
 alone."""
 
+import gc
+
 import pytest
 import ray
 import torch
@@ -125,35 +127,43 @@ def test_late_requests_get_the_tokens_they_get_alone(runners):
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("pp,tp", [(1, 1), (1, 2), (2, 2)], ids=["pp1-tp1", "pp1-tp2", "pp2-tp2"])
-def test_disaggregated_engine_on_gpus_matches_one_gpu(cluster, mini_model_dir, pp, tp):
-    """The same on CUDA (bf16): the handoff goes GPU to GPU over NCCL. At pp = tp = 1 the
-    decode rank runs the single-device math, so greedy tokens are equal; with tp = 2 the
-    all-reduces change bf16 rounding, so the test reports token agreement and checks the first
-    token (sampled from the prefill's logits, before any handoff) of every request."""
+@pytest.mark.parametrize(
+    "pp,tp", [(2, 0), (1, 1), (1, 2), (2, 2)], ids=["pp2", "pp1-tp1", "pp1-tp2", "pp2-tp2"]
+)
+def test_disaggregated_engine_on_gpus_matches_one_gpu(local_ray, mini_model_dir, pp, tp):
+    """The same on CUDA (bf16): the handoff goes GPU to GPU over NCCL (tp = 0: no decode group,
+    the pipeline's stages decode). Without TP the ranks and stages run the single-device math,
+    so greedy tokens are equal; with tp = 2 the all-reduces change bf16 rounding, so the test
+    reports token agreement and checks the first token (sampled from the prefill's logits,
+    before any handoff) of every request."""
     if torch.cuda.device_count() < pp + tp:
         pytest.skip(f"needs {pp + tp} GPUs, has {torch.cuda.device_count()}")
     prompts = _prompts(5, lens=(11, 4, 23, 64))
     model = load_model(mini_model_dir, dtype=torch.bfloat16, device="cuda")
+    # the reference engine's arena is most of GPU 0 (the default fraction): freed for the stage
     ref = [r.output_token_ids for r in Engine(model, CFG).generate(prompts, GREEDY)]
     del model
-    layout = ParallelLayout(tp_size=tp)
+    gc.collect()
+    torch.cuda.empty_cache()
     prefill, decode = spawn_runners(
-        mini_model_dir, num_stages=pp, decode_layout=layout, engine_config=CFG, device="cuda",
-        dtype=torch.bfloat16, gpus_per_actor=1,
+        mini_model_dir, num_stages=pp, decode_layout=ParallelLayout(tp_size=tp) if tp else None,
+        engine_config=CFG, device="cuda", dtype=torch.bfloat16, gpus_per_actor=1,
     )  # fmt: skip
     try:
         got = [r.output_token_ids for r in _engine(prefill, decode).generate(prompts, GREEDY)]
-        stats = decode.stats()
+        stats = decode.stats() if decode else None
     finally:
         prefill.shutdown()
-        decode.shutdown()
-    from k3batch.report import handoff_line
-
+        if decode:
+            decode.shutdown()
     same = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r)) / sum(map(len, ref))
-    print(f"\npp {pp} tp {tp}: greedy tokens equal to one GPU {same:.1%}; {handoff_line(stats)}")
+    print(f"\npp {pp} tp {tp}: greedy tokens equal to one GPU {same:.1%}")
     assert [g[0] for g in got] == [r[0] for r in ref]
-    if tp == 1:
+    if tp <= 1:
         assert got == ref
-    assert stats["handoffs"] == len(prompts) and min(stats["handoff_s_per_rank"]) > 0
-    assert min(stats["graphs_per_rank"]) > 0  # every rank captured its decode buckets
+    if stats is not None:
+        from k3batch.report import handoff_line
+
+        print(handoff_line(stats))
+        assert stats["handoffs"] == len(prompts) and min(stats["handoff_s_per_rank"]) > 0
+        assert min(stats["graphs_per_rank"]) > 0  # every rank captured its decode buckets
