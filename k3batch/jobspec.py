@@ -90,7 +90,8 @@ class ReplicaSpec:
     num_gpus: float | None = None  # of a single-device replica (stages and ranks take 1 each)
     accelerator_type: str | None = None  # e.g. "H200": lets the autoscaler pick node types
     gpus_per_node: int = 8  # of the GPU nodes: a replica needing more spans nodes (PACK)
-    max_inflight_rows: int = 64  # rows dispatched to one replica and not yet returned
+    max_inflight_rows: int = 0  # rows dispatched to one replica and not yet returned; 0: twice
+    # the engine's max_num_seqs, at least 64 (`JobSpec.inflight_rows`)
     max_retries: int = 3  # per unit of rows lost to a replica failure
     wait_timeout_s: float = 600.0  # for resources, replicas to come up, a replica to come back
 
@@ -143,6 +144,19 @@ class JobSpec:
     replicas: ReplicaSpec = field(default_factory=ReplicaSpec)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
+    @property
+    def inflight_rows(self) -> int:
+        """Rows in flight per replica: max_inflight_rows, or twice the engine's max_num_seqs
+        (where the engine sizes it: its most on a GPU, MAX_AUTO_SEQS), at least 64, so that
+        the engine's batch stays full while finished rows travel back."""
+        if self.replicas.max_inflight_rows:
+            return self.replicas.max_inflight_rows
+        from k3batch.engine.config import CPU_MAX_NUM_SEQS
+        from k3batch.engine.runner import MAX_AUTO_SEQS
+
+        auto = MAX_AUTO_SEQS if self.replicas.resolved_device == "cuda" else CPU_MAX_NUM_SEQS
+        return max(64, 2 * (self.engine.max_num_seqs or auto))
+
     def validate(self) -> "JobSpec":
         """Checks that need no cluster and no model weights: types first, then values."""
         check_types(dataclasses.asdict(self), source="job spec")
@@ -159,10 +173,12 @@ class JobSpec:
         _prefixed("sampling", self.sampling.validate)
         _prefixed("engine", self.engine.validate)
         r = self.replicas
-        for name in ("min_replicas", "max_replicas", "pp", "tp", "dcp", "max_inflight_rows",
-                     "gpus_per_node"):  # fmt: skip
+        for name in ("min_replicas", "max_replicas", "pp", "tp", "dcp", "gpus_per_node"):
             if getattr(r, name) < 1:
                 raise ValueError(f"replicas.{name} = {getattr(r, name)} must be >= 1")
+        if r.max_inflight_rows < 0:
+            raise ValueError(f"replicas.max_inflight_rows = {r.max_inflight_rows} must be >= 1, "
+                             "or 0: twice the engine's max_num_seqs")  # fmt: skip
         if r.min_replicas > r.max_replicas:
             raise ValueError(
                 f"replicas.num_replicas: min = {r.min_replicas} > max = {r.max_replicas}"

@@ -130,3 +130,16 @@ def test_cli_run_refuses_bad_spec_before_starting(model_dir, tmp_path, suffix):
     assert "Traceback" not in result.output
     with pytest.raises(ValueError, match="input.batch_rows"):
         load_job_spec(path)
+
+
+def test_inflight_rows_follow_the_engine():
+    """0 (the default): twice the engine's max_num_seqs, at least 64; where the engine sizes
+    max_num_seqs on a GPU, twice its most (256)."""
+    from k3batch.engine.config import EngineConfig
+    from k3batch.jobspec import JobSpec, ReplicaSpec
+
+    assert JobSpec().inflight_rows == 64  # CPU: 8 sequences
+    gpu = ReplicaSpec(device="cuda")
+    assert JobSpec(replicas=gpu).inflight_rows == 512
+    assert JobSpec(replicas=gpu, engine=EngineConfig(max_num_seqs=100)).inflight_rows == 200
+    assert JobSpec(replicas=ReplicaSpec(max_inflight_rows=5)).inflight_rows == 5

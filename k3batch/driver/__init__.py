@@ -3,7 +3,8 @@
 Flow: survey the input files (each checked against the job's input contract) -> cut the valid
 ones into units of `batch_rows` rows (numbered by file and batch, fixed by the manifest) ->
 tokenize each unit in a Ray CPU task -> stream its rows to the replicas, each holding at most
-`max_inflight_rows` rows and refilled as rows come back -> when every row of a unit is back,
+`JobSpec.inflight_rows` rows (`max_inflight_rows`, or twice the engine's max_num_seqs) and
+refilled as rows come back -> when every row of a unit is back,
 write the unit's shard (atomic rename = commit) -> account for every input row.
 Guarantees: each input row is written exactly once, even across SIGKILLs of the driver (a rerun
 skips committed units and redoes the rest) and replica deaths (Ray restarts the actor, the

@@ -114,7 +114,7 @@ def _run(spec, sink, lease, report, ctx, progress_stream, replica_cls, replica_k
         pool.start()
         report.stage_s["startup"] = time.monotonic() - t_start
         intake = Intake(spec, config.vocab_size, ctx["units"], ctx["ids"], report)
-        window = r.max_inflight_rows
+        window = spec.inflight_rows
         dispatch = Dispatcher(pool.actors, pool.health, window=window, max_retries=r.max_retries,
                               report=report)  # fmt: skip
         commit = Committer(spec, sink, intake.add_id, report, lease)

@@ -22,7 +22,7 @@ group; its rows are retried elsewhere without counting against `max_retries` (`d
 The job starts as soon as `min` replicas are up (`start`, bounded by
 `replicas.wait_timeout_s` with a message every `NOTICE_EVERY_S`). `step()` turns placed groups
 into replicas and, once the input is exhausted, drains replicas beyond what the rows left need
-(one replica per `max_inflight_rows` rows) and cancels groups not placed yet.
+(one replica per window of rows, `JobSpec.inflight_rows`) and cancels groups not placed yet.
 """
 
 import logging
@@ -199,10 +199,10 @@ class ReplicaPool:
 
     # ---- the tail ------------------------------------------------------------------------
     def _shrink(self, dispatch) -> None:
-        """The input is exhausted: keep one replica per `max_inflight_rows` rows left, drain the
+        """The input is exhausted: keep one replica per window of rows left, drain the
         others (fewest rows in flight first), release drained replicas that hold no rows."""
         left = len(dispatch.queue) + sum(len(held) for held in dispatch.inflight)
-        keep = -(-left // self.r.max_inflight_rows)
+        keep = -(-left // self.spec.inflight_rows)
         if keep <= len(self.health.up()):  # replicas not up yet are no longer needed
             for ref, i in list(self.placing.items()):
                 del self.placing[ref]
