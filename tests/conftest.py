@@ -96,11 +96,12 @@ def _session_pids(session_id: int) -> list[int]:
 
 def _stop_head(proc: subprocess.Popen, temp_dir: str) -> None:
     # Not `ray stop --force`: that kills every Ray process on the host, other users' included.
-    # `ray start --block` shuts its own processes down on SIGTERM; SIGKILL whatever remains in its
-    # session (Ray's workers stay in it).
+    # `ray start --block` shuts its own processes down on SIGTERM, but took the whole 20 s it
+    # was given (the suite's last teardown); SIGKILL whatever remains in its session after a
+    # short wait (Ray's workers stay in it; nothing of the head outlives the suite).
     proc.terminate()
     try:
-        proc.wait(timeout=20)
+        proc.wait(timeout=3)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
