@@ -4,9 +4,9 @@ returns a Dataset of the same rows, each with the output columns of `k3batch run
 How: `ds.map_batches` over a pool of `concurrency` actors (a fixed count, or (min, max) for Ray
 Data to scale), each a `DataReplicaActor` holding one single-device engine, built once. A batch
 is prepared row by row as a job's unit is (`prompts.prepare_rows`: the prompt source, the chat
-template, per-row sampling columns), its rows run through the engine together (continuous
-batching within the batch: make `batch_size` several times `engine.max_num_seqs`, since the
-batch's last rows run alone) and come back in input order. A bad row (no prompt, too long, a bad
+template, per-row sampling columns), its rows go to the actor's engine, which steps
+continuously over the rows of every batch in flight (the call is async, so Ray Data runs
+several batches of an actor at once), and come back in input order. A bad row (no prompt, too long, a bad
 sampling value) comes back with its `error` set, like the job's; a dataset without a prompt
 column, or with a column named like an output column, and an engine failure raise.
 
@@ -14,11 +14,14 @@ What stays the job's (`k3batch run`): row ids, exactly-once output shards and re
 restarts with row retries, elastic placement, and replicas spanning devices (pp, tp, dcp).
 """
 
+import asyncio
+import threading
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from k3batch.actors.build import build_engine
+from k3batch.actors.serve import EngineServer
 from k3batch.driver.inputs import file_contract
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import SamplingParams
@@ -110,8 +113,11 @@ def _spec(model, sampling, engine, concurrency, device, num_gpus, accelerator_ty
 
 class DataReplicaActor:
     """One replica of `generate`'s actor pool (Ray Data constructs it in each actor): a
-    single-device engine, and a call per batch of rows (a `pyarrow.Table`) that returns the
-    batch with the output columns appended, row for row."""
+    single-device engine stepped by its own thread (`actors.serve.EngineServer`), and an async
+    call per batch of rows (a `pyarrow.Table`) that returns the batch with the output columns
+    appended, row for row. The call is a coroutine, so Ray Data runs several batches of an
+    actor at once and their rows share the engine's batch: one batch's last rows run beside the
+    next batch's first ones. An engine failure fails every call then and after."""
 
     def __init__(self, spec: JobSpec):
         self.spec = spec
@@ -120,8 +126,12 @@ class DataReplicaActor:
         )
         out = spec.output
         self.names = result_names(logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs)
+        self.failure: BaseException | None = None
+        self.pending: set = set()  # futures of rows in the engine
+        self.lock = threading.Lock()  # failure and pending: the engine thread and the calls
+        self.server = EngineServer(self.engine, self._finished, self._failed)
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    async def __call__(self, batch: pa.Table) -> pa.Table:
         file_contract(batch.schema, self.spec.input)  # a prompt column, no output-column clash
         works = prepare_rows(
             batch,
@@ -133,8 +143,37 @@ class DataReplicaActor:
         )
         assert [w.row_idx for w in works] == list(range(batch.num_rows))  # one work per row
         todo = [w for w in works if w.error is None]
-        done = self.engine.generate([w.prompt_token_ids for w in todo], [w.sampling for w in todo])
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in todo]
+        with self.lock:  # either the failure settles these futures, or this call sees it
+            if self.failure is not None:
+                raise RuntimeError("the replica's engine failed") from self.failure
+            self.pending.update(futures)
+            self.server.submit(((fut, loop), w.prompt_token_ids, w.sampling)
+                               for fut, w in zip(futures, todo))  # fmt: skip
+        done = await asyncio.gather(*futures)
         results = [error_row(w.error) if w.error else None for w in works]
         for w, res in zip(todo, done):
             results[w.row_idx] = result_row(res, self.tokenizer)
         return append_results(batch, results, self.names)
+
+    # ---- called on the engine thread --------------------------------------------------------
+    def _finished(self, key, res) -> None:
+        fut, loop = key
+        loop.call_soon_threadsafe(self._settle, fut, res, None)
+
+    def _failed(self, error: BaseException) -> None:
+        with self.lock:
+            self.failure = error
+            for fut in self.pending:
+                fut.get_loop().call_soon_threadsafe(self._settle, fut, None, error)
+
+    def _settle(self, fut, res, error) -> None:
+        with self.lock:
+            self.pending.discard(fut)
+        if fut.done():
+            return
+        if error is None:
+            fut.set_result(res)
+        else:
+            fut.set_exception(RuntimeError(f"the replica's engine failed: {error!r}"))

@@ -82,3 +82,34 @@ def test_generate_dataset_matches_job_row_for_row(cluster, mini_model_dir, tmp_p
 def test_generate_refuses_bad_settings(mini_model_dir, kw, words):
     with pytest.raises(ValueError, match=words):
         generate(None, model=mini_model_dir, **kw)  # checked before the Dataset is touched
+
+
+def test_replica_runs_batches_at_once_and_fails_every_call_after_an_engine_failure(
+    mini_model_dir,
+):
+    """The actor's calls are coroutines sharing one engine: two batches in flight at once give
+    each row what one batch alone gives; after the engine raises, pending and later calls
+    raise instead of waiting forever."""
+    import asyncio
+
+    from k3batch.data import DataReplicaActor, _spec
+
+    spec = _spec(mini_model_dir, GREEDY, ENGINE, 1, "cpu", None, None, False, False, None)
+    actor = DataReplicaActor(spec)
+    table = _table().slice(0, 5)
+    alone = asyncio.run(actor(table)).to_pylist()
+
+    async def both():
+        return await asyncio.gather(actor(table.slice(0, 2)), actor(table.slice(2, 3)))
+
+    first, second = asyncio.run(both())
+    assert first.to_pylist() + second.to_pylist() == alone
+
+    def broken():
+        raise RuntimeError("device lost")
+
+    actor.engine.step = broken
+    with pytest.raises(RuntimeError, match="engine failed"):
+        asyncio.run(actor(table))
+    with pytest.raises(RuntimeError, match="engine failed"):
+        asyncio.run(actor(table))  # the engine thread is gone: fail at once

@@ -25,7 +25,6 @@ import asyncio
 import collections
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
@@ -33,8 +32,9 @@ import uuid
 import ray
 
 from k3batch.actors.placement import CALL_TIMEOUT_S, get_within
+from k3batch.actors.serve import EngineServer
 from k3batch.engine.config import EngineConfig
-from k3batch.engine.request import SamplingParams
+from k3batch.engine.request import GenerationResult, SamplingParams
 from k3batch.result import result_row
 
 log = logging.getLogger(__name__)
@@ -69,14 +69,10 @@ class ReplicaActor:
             placement_group=placement_group,
         )
         self.load_s = time.perf_counter() - t0
-        self.busy_s = 0.0
-        self.rows = 0
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: collections.deque = collections.deque()  # finished rows, engine -> caller
         self._wake = self._wake_loop = None  # take_results' event, set by the engine thread
-        self._next_id = 0
         self.instance = uuid.uuid4().hex  # new at every (re)start of the actor
-        threading.Thread(target=self._loop, daemon=True, name="engine").start()
+        self.server = EngineServer(self.engine, self._finished, self._engine_failed)
 
     # ---- construction and health (the members of a disaggregated replica) -------------------
     def _build_or_exit(self, model_dir: str, engine_config: EngineConfig, **kw):
@@ -137,7 +133,7 @@ class ReplicaActor:
         return {"load_s": self.load_s, "pid": os.getpid()}
 
     def stats(self) -> dict:
-        out = {"load_s": self.load_s, "busy_s": self.busy_s, "rows": self.rows}
+        out = {"load_s": self.load_s, "busy_s": self.server.busy_s, "rows": self.server.rows}
         out["cache"] = self.engine.cache_stats()
         out["sizing"] = self.engine.sizing()
         if hasattr(self.engine.runner, "bubble"):
@@ -149,7 +145,7 @@ class ReplicaActor:
     def submit(self, items: list[tuple[object, list[int], SamplingParams]]) -> str:
         """items: (key, prompt token ids, sampling). Queues them for the engine thread and
         returns this process's instance id; their results come back through `take_results`."""
-        self._inbox.put(items)
+        self.server.submit(items)
         return self.instance
 
     async def take_results(self, max_wait_s: float = 1.0) -> tuple[str, list[dict]]:
@@ -171,37 +167,17 @@ class ReplicaActor:
             out.append(self._outbox.popleft())
         return self.instance, out
 
-    # ---- engine thread --------------------------------------------------------------------
-    def _loop(self) -> None:
-        owner = {}  # request id -> key
-        try:
-            while True:
-                block = not self.engine.has_unfinished()
-                while True:
-                    try:
-                        items = self._inbox.get(block=block)
-                    except queue.Empty:
-                        break
-                    block = False
-                    for key, ids, sp in items:
-                        rid = str(self._next_id)
-                        self._next_id += 1
-                        owner[rid] = key
-                        self.engine.add_request(rid, ids, sp)
-                if not self.engine.has_unfinished():
-                    continue
-                t0 = time.perf_counter()
-                finished = self.engine.step()
-                self.busy_s += time.perf_counter() - t0
-                self.rows += len(finished)
-                for res in finished:
-                    row = {"key": owner.pop(res.request_id)} | result_row(res, self.tokenizer)
-                    self._outbox.append(row)
-                if finished:
-                    self._wake_caller()
-        except BaseException:  # the engine is broken: let Ray restart the actor
-            log.exception("engine loop failed; exiting the replica process")
-            os._exit(1)
+    # ---- called on the engine thread (`serve.EngineServer`) -------------------------------
+    def _finished(self, key, res: GenerationResult) -> None:
+        self._outbox.append({"key": key} | result_row(res, self.tokenizer))
+        self._wake_caller()
+
+    @staticmethod
+    def _engine_failed(error: BaseException) -> None:
+        """The engine is broken: exit, so that Ray restarts the actor (the driver resubmits
+        the rows it had here)."""
+        log.error("engine loop failed; exiting the replica process", exc_info=error)
+        os._exit(1)
 
     def _wake_caller(self) -> None:
         loop, wake = self._wake_loop, self._wake
