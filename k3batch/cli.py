@@ -106,13 +106,16 @@ _RUN_FLAGS = [
     ("--dcp", "replicas.dcp", int, "Decode context parallelism for the MLA latent."),
     ("--device", "replicas.device", str, "auto, cpu or cuda."),
     ("--accelerator-type", "replicas.accelerator_type", str, "e.g. H200."),
-    ("--max-inflight-rows", "replicas.max_inflight_rows", int, "Rows in flight per replica."),
-    ("--max-num-seqs", "engine.max_num_seqs", int, "Requests decoded together per replica."),
+    ("--max-inflight-rows", "replicas.max_inflight_rows", int,
+     "Rows in flight per replica (0: twice max_num_seqs)."),
+    ("--max-num-seqs", "engine.max_num_seqs", int,
+     "Requests run together per replica (0: sized by the engine)."),
     ("--max-seq-len", "engine.max_seq_len", int, "Prompt + output tokens per request."),
     ("--chunk-size", "engine.chunk_size", int, "Prompt tokens per request per prefill step."),
     ("--page-size", "engine.page_size", int, "Tokens per MLA page."),
     ("--memory-pool", "engine.memory_pool", click.Choice(["unified", "static"]), None),
-    ("--memory-fraction", "engine.memory_fraction", float, "Of each GPU, weights + cache."),
+    ("--memory-fraction", "engine.memory_fraction", float,
+     "Of each GPU: weights, workspace, cache (0: 0.9)."),
 ]
 
 
