@@ -7,10 +7,10 @@ Fails on the old code: `ReplicaActor.generate(items)` returned only when its who
 
 import asyncio
 import collections
-import queue
 import threading
 
 from k3batch.actors.replica import ReplicaActor
+from k3batch.actors.serve import EngineServer
 from k3batch.engine.request import GenerationResult, SamplingParams
 
 
@@ -47,11 +47,10 @@ class _StubTokenizer:
 def _replica() -> ReplicaActor:
     actor = ReplicaActor.__new__(ReplicaActor)  # no model: the engine is the stub
     actor.engine, actor.tokenizer = _StubEngine(), _StubTokenizer()
-    actor.load_s, actor.busy_s, actor.rows = 0.0, 0.0, 0
-    actor._inbox, actor._outbox, actor._next_id = queue.SimpleQueue(), collections.deque(), 0
+    actor.load_s, actor._outbox = 0.0, collections.deque()
     actor._wake = actor._wake_loop = None
     actor.instance = "one"
-    threading.Thread(target=actor._loop, daemon=True).start()
+    actor.server = EngineServer(actor.engine, actor._finished, actor._engine_failed)
     return actor
 
 
