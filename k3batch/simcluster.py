@@ -7,7 +7,8 @@ the scale-up/scale-down decisions are Ray's own; only the devices are fake (a jo
 model on CPU underneath). Unlike `AutoscalingCluster`, which runs `ray stop --force` (every Ray
 process on the host, other users' too) and reads a config file the wheel does not ship, this
 starts its head in a session of its own, with its own ports and temp dir, and `stop()` ends
-exactly the processes of that session.
+exactly the processes of that session (`stop_session`, which the tests' shared Ray head uses
+too, as it does `free_port`).
 """
 
 import json
@@ -30,7 +31,7 @@ class SimulatedCluster:
         """worker_types: node type name -> {"resources": {...}, "max_workers": n}. The head
         has `head_cpus` CPUs and no GPU; worker nodes start at zero."""
         self.temp_dir = tempfile.mkdtemp(prefix="k3s", dir="/tmp")  # short: socket paths
-        self.gcs_port = _free_port()
+        self.gcs_port = free_port()
         self.address = f"127.0.0.1:{self.gcs_port}"
         self.config = _config(worker_types, head_cpus, idle_timeout_s, self.address)
         self.proc: subprocess.Popen | None = None
@@ -50,8 +51,8 @@ class SimulatedCluster:
             f"--num-cpus={self.config['available_node_types']['ray.head.default']['resources']['CPU']}",
             f"--autoscaling-config={config_path}", f"--temp-dir={self.temp_dir}",
             "--include-dashboard=false", "--disable-usage-stats",
-            f"--ray-client-server-port={_free_port()}",
-            f"--dashboard-agent-listen-port={_free_port()}",
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
         ]  # fmt: skip
         log = open(Path(self.temp_dir) / "head.log", "w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -80,25 +81,10 @@ class SimulatedCluster:
     def stop(self) -> None:
         """End the head's session: the head, the autoscaler and every node it started (their
         processes stay in the head's session), then anything still naming our temp dir."""
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            for _ in range(20):
-                leftovers = _pids(lambda pid, stat, cmd: stat == self.proc.pid
-                                  or self.temp_dir in cmd)  # fmt: skip
-                if not leftovers:
-                    break
-                for pid in leftovers:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                time.sleep(0.25)
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        if self.proc is None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+        else:
+            stop_session(self.proc, self.temp_dir, grace_s=20)
 
 
 def _config(worker_types: dict, head_cpus: int, idle_timeout_s: float, gcs_address: str) -> dict:
@@ -140,10 +126,35 @@ def _config(worker_types: dict, head_cpus: int, idle_timeout_s: float, gcs_addre
     }
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_session(proc: subprocess.Popen, temp_dir: str, *, grace_s: float) -> None:
+    """Stop a `ray start --block` head started in a session of its own (start_new_session):
+    SIGTERM, then after grace_s SIGKILL, then SIGKILL every process left in its session or
+    naming its temp dir (workers and nodes it started), then remove the temp dir. Not
+    `ray stop --force`: that kills every Ray process on the host, other users' included."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for _ in range(20):
+        leftovers = _pids(lambda pid, session, cmd: session == proc.pid or temp_dir in cmd)
+        if not leftovers:
+            break
+        for pid in leftovers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.25)
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _pids(match) -> list[int]:

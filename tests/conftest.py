@@ -1,9 +1,6 @@
 import dataclasses
 import os
 import secrets
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +19,7 @@ import torch  # noqa: E402
 from k3batch.model import K3Model, get_flavor  # noqa: E402
 from k3batch.model.init import init_random_  # noqa: E402
 from k3batch.model.weights import write_checkpoint  # noqa: E402
+from k3batch.simcluster import free_port, stop_session  # noqa: E402
 from k3batch.submit import _client  # noqa: E402
 from k3batch.testing import K3_MINI  # noqa: E402
 
@@ -72,58 +70,12 @@ class Head:
     token: str
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _session_pids(session_id: int) -> list[int]:
-    """Processes in the session `ray start --block` leads: every Ray process it started."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            # Field 6 of /proc/PID/stat is the session id; the command name may contain spaces.
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session_id:
-            pids.append(int(entry.name))
-    return pids
-
-
-def _stop_head(proc: subprocess.Popen, temp_dir: str) -> None:
-    # Not `ray stop --force`: that kills every Ray process on the host, other users' included.
-    # `ray start --block` shuts its own processes down on SIGTERM, but took the whole 20 s it
-    # was given (the suite's last teardown); SIGKILL whatever remains in its session after a
-    # short wait (Ray's workers stay in it; nothing of the head outlives the suite).
-    proc.terminate()
-    try:
-        proc.wait(timeout=3)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    for _ in range(20):
-        leftovers = _session_pids(proc.pid)
-        if not leftovers:
-            break
-        for pid in leftovers:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.25)
-    shutil.rmtree(temp_dir, ignore_errors=True)
-
-
 @pytest.fixture(scope="session")
 def ray_head():
     token = os.environ["RAY_AUTH_TOKEN"]
     # Short path: Ray's unix socket paths live under it (108-byte limit).
     temp_dir = tempfile.mkdtemp(prefix="k3r", dir="/tmp")
-    dashboard_port, gcs_port = _free_port(), _free_port()
+    dashboard_port, gcs_port = free_port(), free_port()
     env = {
         **os.environ,
         "RAY_AUTH_MODE": "token",
@@ -144,8 +96,8 @@ def ray_head():
         "--dashboard-host=127.0.0.1",
         f"--port={gcs_port}",
         f"--dashboard-port={dashboard_port}",
-        f"--dashboard-agent-listen-port={_free_port()}",
-        f"--ray-client-server-port={_free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--ray-client-server-port={free_port()}",
     ]
     log_path = Path(temp_dir) / "ray_start.log"
     with open(log_path, "w") as log:
@@ -157,7 +109,9 @@ def ray_head():
         _wait_for_dashboard(head, proc, log_path)
         yield head
     finally:
-        _stop_head(proc, temp_dir)
+        # The graceful stop took the whole 20 s it was given at the suite's last teardown;
+        # nothing of the head has to outlive the suite.
+        stop_session(proc, temp_dir, grace_s=3)
 
 
 def _wait_for_dashboard(head: Head, proc: subprocess.Popen, log_path: Path) -> None:

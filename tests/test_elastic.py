@@ -15,7 +15,6 @@ placement groups and Ray's autoscaler are real; no model runs).
 Each test starts and stops its own cluster, so the module skips when Ray is already connected.
 """
 
-import socket
 import tempfile
 import threading
 import time
@@ -33,6 +32,7 @@ from k3batch.engine.request import SamplingParams
 from k3batch.jobspec import EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaRange
 from k3batch.jobspec import ReplicaSpec
 from k3batch.model.weights import init_checkpoint
+from k3batch.simcluster import free_port
 
 GPU_NODE = {"num_cpus": 2, "num_gpus": 1, "resources": {"accelerator_type:SIM": 1}}
 
@@ -43,12 +43,6 @@ def _no_ray_yet():
         pytest.skip("Ray is already connected in this process (run this module on its own)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def fixed_cluster():
     """A head that runs nothing but tokenize tasks (1 CPU, no GPU); tests add worker nodes."""
@@ -57,10 +51,10 @@ def fixed_cluster():
         head_node_args=dict(
             num_cpus=1,
             temp_dir=tempfile.mkdtemp(prefix="k3c", dir="/tmp"),
-            gcs_server_port=_free_port(),
+            gcs_server_port=free_port(),
             include_dashboard=False,
-            dashboard_agent_listen_port=_free_port(),
-            ray_client_server_port=_free_port(),
+            dashboard_agent_listen_port=free_port(),
+            ray_client_server_port=free_port(),
         ),
     )
     try:

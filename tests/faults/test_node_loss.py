@@ -11,7 +11,6 @@ Ray is already connected.
 """
 
 import json
-import socket
 import subprocess
 import tempfile
 import time
@@ -26,17 +25,12 @@ from ray.util.state import list_actors
 from fault_jobs import start_job, write_job
 
 from k3batch.model.weights import init_checkpoint
+from k3batch.simcluster import free_port
 
 pytestmark = pytest.mark.slow
 
 RUN_TIMEOUT_S = 400
 NODE_CPUS = 6  # one replica (coordinator, 2 stages, 2 ranks) and a tokenize task
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -49,11 +43,11 @@ def two_node_cluster():
         head_node_args=dict(
             num_cpus=0,
             temp_dir=temp_dir,
-            gcs_server_port=_free_port(),
+            gcs_server_port=free_port(),
             include_dashboard=True,
-            dashboard_port=_free_port(),
-            dashboard_agent_listen_port=_free_port(),
-            ray_client_server_port=_free_port(),
+            dashboard_port=free_port(),
+            dashboard_agent_listen_port=free_port(),
+            ray_client_server_port=free_port(),
         ),
     )
     workers = [cluster.add_node(num_cpus=NODE_CPUS) for _ in range(2)]

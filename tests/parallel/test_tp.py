@@ -21,7 +21,6 @@ device's.
 """
 
 import dataclasses
-import socket
 from datetime import timedelta
 
 import pytest
@@ -43,6 +42,7 @@ from k3batch.parallel.handoff import (
     unshard_request,
 )
 from k3batch.parallel.tp import build_rank_model, load_rank_weights_, shard_full_state_dict
+from k3batch.simcluster import free_port
 from k3batch.testing import K3_MINI, assert_close, slot_batch, slot_cache, slot_pages, slot_tensors
 
 PROMPT_LENS = (5, 12, 19)
@@ -196,12 +196,6 @@ def _worker(rank: int, world: int, port: int, in_path: str, out_dir: str) -> Non
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # (model, tp_size, DCP sizes run in one set of workers, the DCP sizes that also run free routing)
 CASES = [
     pytest.param("k3-mini", 2, (1, 2), (1, 2), id="k3-mini-tp2-dcp1,2"),
@@ -235,7 +229,7 @@ def test_rank_decode_matches_one_device(tmp_path, model_name, tp_size, dcp_sizes
         "prefill_routes": ref.prefill_routes,
     }
     torch.save(data, tmp_path / "inputs.pt")
-    args = (tp_size, _free_port(), str(tmp_path / "inputs.pt"), str(tmp_path))
+    args = (tp_size, free_port(), str(tmp_path / "inputs.pt"), str(tmp_path))
     mp.spawn(_worker, args=args, nprocs=tp_size, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(tp_size)]
     for dcp in dcp_sizes:
