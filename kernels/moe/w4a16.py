@@ -21,9 +21,10 @@ import triton.language as tl
 
 from k3kernels.moe.grouped_gemm_triton import (
     _INTERPRETED,
-    _tile_table,
     launch_config,
+    program_tile,
     tile_rows_cols,
+    tile_table,
 )
 from k3kernels.moe.mxfp4 import GROUP_SIZE, MXFP4Weight
 
@@ -91,15 +92,14 @@ def _e2m1_pairs_bf16(q, scale):
 
 
 @triton.jit
-def w4a16_grouped_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
+def w4a16_grouped_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, table_ptr, P,
                          N, K, stride_x, stride_qe, stride_qn, stride_se, stride_sn, stride_out, E,
                          GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                         BLOCK_K: tl.constexpr, EXPERT_MAJOR: tl.constexpr, UPCAST: tl.constexpr,
                          PTX: tl.constexpr):  # fmt: skip
-    tile = tl.program_id(0)
-    expert = tl.load(tile_expert_ptr + tile)
+    expert, first, n_block = program_tile(table_ptr, P, N, E, BLOCK_N, EXPERT_MAJOR)
     if expert < E:
-        rows, cols, row_ok, col_ok = tile_rows_cols(tile_row_ptr, offs_ptr, expert, N,
+        rows, cols, row_ok, col_ok = tile_rows_cols(first, offs_ptr, expert, n_block, N,
                                                     BLOCK_M, BLOCK_N)  # fmt: skip
         jj = tl.arange(0, BLOCK_K // 2)  # byte within the tile: inputs 2 jj and 2 jj + 1
         kk = tl.arange(0, BLOCK_K)
@@ -160,13 +160,13 @@ def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
     out = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
     if M == 0:
         return out
-    tile_expert, tile_row = _tile_table(offs_E, M, cfg["block_m"])
-    grid = (tile_expert.shape[0], triton.cdiv(N, cfg["block_n"]))
-    w4a16_grouped_kernel[grid](
-        x_MK, w.packed, w.scale, out, offs_E, tile_expert, tile_row, N, K, x_MK.stride(0),
+    table = tile_table(offs_E, M, cfg["block_m"])
+    P = table.shape[1]
+    w4a16_grouped_kernel[(P * triton.cdiv(N, cfg["block_n"]),)](
+        x_MK, w.packed, w.scale, out, offs_E, table, P, N, K, x_MK.stride(0),
         w.packed.stride(0), w.packed.stride(1), w.scale.stride(0), w.scale.stride(1),
         out.stride(0), E, GROUP=GROUP_SIZE, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"], UPCAST=_INTERPRETED and x_MK.dtype != torch.float32,
+        BLOCK_K=cfg["block_k"], EXPERT_MAJOR=cfg.get("expert_major", True), UPCAST=_INTERPRETED and x_MK.dtype != torch.float32,
         PTX=not _INTERPRETED and x_MK.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
