@@ -6,9 +6,7 @@ own random bf16 weights and routes drawn like a router's (top-k of random scores
 T k / E slots per expert). Useful FLOPs: 2 T k (3 D I) per layer (gate-up 2 D 2 I, down 2 I D).
 Rows: "experts" (the whole `fused_experts` pass: sort, gather, grouped GEMMs, fused activation,
 combine), "gemm" (the two grouped GEMMs alone on pre-sorted rows, the ceiling of this design),
-"experts-split2" / "gemm-split2" / "gemm-split3" (each grouped GEMM cut into row parts, for
-smaller CUTLASS tiles: see `k3kernels.moe.grouped_gemm`), "gemm-swapped" (a trial: w @ x^T
-with the group ends on N, the tokens as the N tile), "experts-triton" / "gemm-triton" (the Triton
+"experts-triton" / "gemm-triton" (the Triton
 grouped GEMM, 16-row tiles at decode shapes and 64 at prefill, `k3kernels.moe.grouped_gemm_triton`), "torch-elementwise" (the
 pass with torch activation and combine, to show what fusing buys) and "loop-before" (the
 per-expert loop this replaced: counts read on the host, two GEMMs for gate and up, torch
@@ -107,37 +105,21 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
         sorted_rows.append((x.index_select(0, order.token_M), order.offs_E))
     h_shape = (num_tokens * k, I)
 
-    def experts(use_triton, parts=1, impl="torch"):
+    def experts(use_triton, impl="torch"):
         def run():
             for x, w13, w2, ids, w in layers:
-                fused_experts(x, w13, w2, ids, w, use_triton=use_triton, gemm_parts=parts,
-                              gemm_impl=impl, **kw)  # fmt: skip
+                fused_experts(x, w13, w2, ids, w, use_triton=use_triton, gemm_impl=impl, **kw)
 
         return run
 
-    def gemm_only(parts=1, impl="torch", cfg=None):
-        if impl == "triton":
-            gemm = partial(grouped_mm_triton, **(cfg or {}))
-        else:
-            gemm = partial(grouped_mm, num_parts=parts)
+    def gemm_only(impl="torch", cfg=None):
+        gemm = partial(grouped_mm_triton, **(cfg or {})) if impl == "triton" else grouped_mm
 
         def run():
             h = torch.empty(h_shape, dtype=torch.bfloat16, device=device)
             for (x, w13, w2, _, _), (xs, offs) in zip(layers, sorted_rows):
                 gemm(xs, w13, offs)
                 gemm(h, w2, offs)
-
-        return run
-
-    def gemm_swapped():
-        """Operands swapped (a trial, not a path of the model): out^T = w @ x^T with the group
-        ends on N, so the tokens are CUTLASS's N tile instead of its M tile; the transpose of
-        the rows is counted."""
-        def run():
-            h_t = torch.empty(h_shape[::-1], dtype=torch.bfloat16, device=device)
-            for (x, w13, w2, _, _), (xs, offs) in zip(layers, sorted_rows):
-                torch._grouped_mm(w13, xs.t().contiguous(), offs=offs)
-                torch._grouped_mm(w2, h_t, offs=offs)
 
         return run
 
@@ -162,8 +144,6 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
 
     rows = []
     impls = [("experts", experts(True)), ("gemm", gemm_only()),
-             ("experts-split2", experts(True, 2)), ("gemm-split2", gemm_only(2)),
-             ("gemm-split3", gemm_only(3)), ("gemm-swapped", gemm_swapped()),
              ("experts-triton", experts(True, impl="triton")),
              ("gemm-triton", gemm_only(impl="triton")),
              ("torch-elementwise", experts(False)), ("loop-before", loop_before)]  # fmt: skip

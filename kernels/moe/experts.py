@@ -11,8 +11,6 @@ elementwise steps run as plain torch (same math), which is the CPU path of the m
 Shape legend: T tokens, D input width, I expert width, E local experts, k top-k, M = T k.
 """
 
-from functools import partial
-
 import torch
 
 from k3kernels.moe.grouped_gemm import grouped_mm
@@ -23,7 +21,7 @@ from k3kernels.moe.reference import combine_reference, gated_act_reference
 
 def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: float = 4.0,
                   linear_beta: float = 25.0, first_expert: int = 0,
-                  use_triton: bool | None = None, gemm_parts: int = 1,
+                  use_triton: bool | None = None,
                   gemm_impl: str = "auto") -> torch.Tensor:  # fmt: skip
     """sum_j weights[t, j] * w2[e] act(w13[e] x[t]) over the slots j whose expert
     e = ids[t, j] - first_expert is held here (0 <= e < E); fp32 [T, D].
@@ -32,7 +30,6 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
     the W4A16 Triton kernel `k3kernels.moe.w4a16` with use_triton, else dequantized to x's
     dtype per call, the reference path); ids [T, k] global expert ids; weights [T, k].
     use_triton: the fused Triton activation and combine (default: on CUDA).
-    gemm_parts: `grouped_mm`'s num_parts (an experiment on tile sizes; see grouped_gemm.py).
     gemm_impl: "torch" (`torch._grouped_mm`), "triton" (`grouped_gemm_triton`) or "auto": Triton
     at decode shapes (at most 4 slots per local expert; one H200, k3-slice, 64 tokens: 3.94
     TB/s against 2.88 on the expert bytes), torch otherwise (prefill: 47% of the bf16 peak
@@ -42,7 +39,7 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
         use_triton = x_TD.is_cuda
     if isinstance(w13_EFD, MXFP4Weight) and not use_triton:  # the reference path
         w13_EFD, w2_EDI = w13_EFD.dequantize(x_TD.dtype), w2_EDI.dequantize(x_TD.dtype)
-    gemm = _pick_gemm(w13_EFD, ids_Tk, x_TD.is_cuda, gemm_parts, gemm_impl)
+    gemm = _pick_gemm(w13_EFD, ids_Tk, x_TD.is_cuda, gemm_impl)
     T = x_TD.shape[0]
     if T == 0:
         return torch.zeros(0, w2_EDI.shape[1], dtype=torch.float32, device=x_TD.device)
@@ -67,7 +64,7 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
     return combine_reference(y_MD, order.slot_pos_Tk, weights_Tk, order.valid_Tk)
 
 
-def _pick_gemm(w13, ids_Tk, cuda: bool, gemm_parts: int, gemm_impl: str):
+def _pick_gemm(w13, ids_Tk, cuda: bool, gemm_impl: str):
     """The grouped GEMM for these weights (see `fused_experts`): W4A16 for packed experts."""
     if isinstance(w13, MXFP4Weight):
         from k3kernels.moe.w4a16 import grouped_mm_mxfp4
@@ -75,11 +72,11 @@ def _pick_gemm(w13, ids_Tk, cuda: bool, gemm_parts: int, gemm_impl: str):
         return grouped_mm_mxfp4
     if gemm_impl == "auto":
         decode = ids_Tk.numel() <= 4 * w13.shape[0]
-        gemm_impl = "triton" if decode and cuda and gemm_parts == 1 else "torch"
+        gemm_impl = "triton" if decode and cuda else "torch"
     if gemm_impl == "triton":
         from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton
 
         return grouped_mm_triton
     if gemm_impl == "torch":
-        return partial(grouped_mm, num_parts=gemm_parts)
+        return grouped_mm
     raise ValueError(f"unknown gemm_impl {gemm_impl!r}; known: auto, torch, triton")

@@ -17,11 +17,11 @@ exact scoring needs (`tests/kernels/test_moe.py` checks it).
 Tile size: torch's CUTLASS dispatch picks 128 x 256 tiles when rows / groups > 128 and 64 x 128
 tiles otherwise. K3-slice prefill has 16,384 slots over 112 experts, ~146 rows per group, so each
 group fills one 128-row tile and 18/128 of a second: 57% of the computed rows are useful,
-consistent with the H200's 378 TFLOP/s for the GEMMs alone (0.57 x ~660). `num_parts` > 1
-cuts the rows into equal parts, each its own call with clipped group ends (still no sync), so
-that each call has fewer rows per group and gets the 64-row tiles (3 x 64 = 192 rows per
-~146-row group: 76%). Not yet measured on a GPU: `k3batch bench moe` has rows for it; the
-default stays 1. `grouped_gemm_triton` is the other way out (64-row tiles in Triton).
+consistent with the H200's 378 TFLOP/s for the GEMMs alone (0.57 x ~660). Cutting the rows into
+two or three calls, so that each has fewer rows per group and gets the 64 x 128 tiles (3 x 64 =
+192 rows per ~146-row group: 76%), was measured slower on the H200: 30% of the peak against 47%
+(`benchmarks/moe_k3slice_h200.jsonl`, rows "gemm-split2/3"). `grouped_gemm_triton` is the
+other way out (64-row tiles in Triton).
 Shape legend: M sorted rows, K input width, N output width, E experts.
 """
 
@@ -30,19 +30,10 @@ import torch
 CPU_MIN_ROWS = 4  # CPU GEMMs of at least this many rows give each row the same bits
 
 
-def grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, *,
-               num_parts: int = 1) -> torch.Tensor:  # fmt: skip
+def grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """out[r] = x[r] @ w[e].T for the rows r of group e. x [M, K], w [E, N, K] (nn.Linear
     layout, any strides with a unit last stride), offs [E] int32 cumulative group ends.
-    num_parts: row parts run as separate calls (see module doc). Returns [M, N] in x's dtype."""
-    M = x_MK.shape[0]
-    if num_parts > 1 and M >= num_parts:
-        bounds = [M * i // num_parts for i in range(num_parts + 1)]
-        parts = []
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            part_offs = offs_E.clamp(min=lo, max=hi) - lo  # this part's rows of each group
-            parts.append(grouped_mm(x_MK[lo:hi], w_ENK, part_offs.to(torch.int32)))
-        return torch.cat(parts)
+    Returns [M, N] in x's dtype."""
     if not _has_fast_path(x_MK, w_ENK):
         return grouped_mm_loop(x_MK, w_ENK, offs_E)
     if x_MK.device.type == "cpu":
