@@ -87,53 +87,37 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(y.reshape(T, H * K))
 
     def _prefill(self, x_TD, f, b, batch, cache, gate):
-        """Chunks of whole sequences: states gathered from the blocks of sequences with a
-        cached prefix (zeros otherwise), final states written back."""
+        """Chunks of whole sequences. With a cache, in place: each sequence continues from the
+        conv and recurrent states in its KDA block if it has a cached prefix (from zeros
+        otherwise: a fresh block holds stale bytes) and leaves its final states there. Without
+        one (a one-shot forward), from zeros."""
         T = x_TD.shape[0]
         H, K = self.num_heads, self.head_dim
         cu = batch.cu_seqlens
-        conv_in, state_in = self._read_cache(x_TD, batch, cache)
         projs = (self.q_proj, self.k_proj, self.v_proj)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        outs, conv_out = [], []
-        for j, (proj, conv) in enumerate(zip(projs, convs)):
-            y, st = ops.short_conv(
-                proj(x_TD), conv.weight[:, 0], conv_in[:, j], cu, backend=self.backend
-            )
-            outs.append(y.view(T, H, K))
-            conv_out.append(st)
-        q, k, v = outs
-        o, state_out = ops.kda_core(
-            q,
-            k,
-            v,
-            f,
-            b,
-            self.A_log,
-            self.dt_bias,
-            initial_state=state_in,
-            cu_seqlens=cu,
-            **gate,
-        )
-        if cache is not None:
-            slots = batch.slots
-            cache.kda_state[self.layer_idx].index_copy_(0, slots, state_out)
-            conv = torch.stack(conv_out, dim=1).to(cache.kda_conv[self.layer_idx].dtype)
-            cache.kda_conv[self.layer_idx].index_copy_(0, slots, conv)
-        return o
-
-    def _read_cache(self, x_TD, batch, cache):
-        """(conv states [N, 3, C, W-1], recurrent states [N, H, K, V]) to start from."""
-        N, H, K = batch.num_seqs, self.num_heads, self.head_dim
-        C, W = H * K, self.q_conv1d.weight.shape[-1]
-        conv = x_TD.new_zeros(N, 3, C, W - 1)
-        state = x_TD.new_zeros(N, H, K, K, dtype=torch.float32)
+        params = (self.A_log, self.dt_bias)
         if cache is None:
-            return conv, state
-        warm = [n for n, c in enumerate(batch.cached_lens) if c > 0]
-        if warm:
-            idx = to_device(warm, x_TD.device)
-            slots = to_device([batch.slot_ids[n] for n in warm], x_TD.device)
-            conv[idx] = cache.kda_conv[self.layer_idx][slots].to(conv.dtype)
-            state[idx] = cache.kda_state[self.layer_idx][slots]
-        return conv, state
+            N, W = batch.num_seqs, self.q_conv1d.weight.shape[-1]
+            conv0 = x_TD.new_zeros(N, H * K, W - 1)
+            q, k, v = (
+                ops.short_conv(proj(x_TD), conv.weight[:, 0], conv0, cu, backend=self.backend)[0]
+                .view(T, H, K)
+                for proj, conv in zip(projs, convs)
+            )
+            state0 = x_TD.new_zeros(N, H, K, K, dtype=torch.float32)
+            o, _ = ops.kda_core(q, k, v, f, b, *params, initial_state=state0, cu_seqlens=cu, **gate)
+            return o
+        warm = to_device([int(c > 0) for c in batch.cached_lens], x_TD.device)
+        slots, pool = batch.slots, cache.kda_conv[self.layer_idx]
+        q, k, v = (
+            ops.short_conv_prefill_(
+                proj(x_TD), conv.weight[:, 0], pool[:, j], slots, warm, cu, backend=self.backend
+            ).view(T, H, K)
+            for j, (proj, conv) in enumerate(zip(projs, convs))
+        )
+        state_pool = cache.kda_state[self.layer_idx]
+        return ops.kda_prefill_(
+            q, k, v, f, b, *params, state_pool=state_pool, slots=slots, warm=warm, cu_seqlens=cu,
+            **gate,
+        )  # fmt: skip

@@ -48,6 +48,26 @@ def short_conv(x, weight_CW, conv_state, cu_seqlens, *, backend: str):
     return reference.short_conv(x, weight_CW, conv_state, cu_seqlens)
 
 
+def kda_prefill_(
+    q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, state_pool, slots, warm, cu_seqlens,
+    backend: str,
+):  # fmt: skip
+    """`kda_core` in place on the cache: each sequence continues from state_pool[slots[n]]
+    ([NB, H, K, V] fp32) where warm[n] != 0, from zeros elsewhere, and leaves its final state
+    there. slots, warm: [N] device tensors; cu_seqlens: N+1 offsets (list). Returns o [T, H, V]."""
+    kw = dict(lower_bound=lower_bound, scale=scale, state_pool=state_pool, slots=slots,
+              warm=warm, cu_seqlens=cu_seqlens)  # fmt: skip
+    impl = _fla() if backend == "fla" else reference
+    return impl.kda_prefill_(q, k, v, f, b, A_log, dt_bias, **kw)
+
+
+def short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens, *, backend: str):
+    """`short_conv` in place on the cache: x [T, C]; pool_BCW [NB, C, W-1] read (where warm)
+    and overwritten at slots. Returns y [T, C]."""
+    impl = _fla() if backend == "fla" else reference
+    return impl.short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens)
+
+
 def gated_rms_norm(o, z, weight, eps: float, *, backend: str):
     """RMSNorm(o) * sigmoid(z) over the last dim; o, z: [..., V]."""
     if backend == "fla":

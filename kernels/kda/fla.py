@@ -7,12 +7,14 @@ as `k3kernels.kda.reference`, inference only (autograd off inside).
   the gate formula: -5.0 gives lower_bound * sigmoid(exp(A) (f + dt_bias)), None the softplus
   gate -exp(A) softplus(f + dt_bias) of Kimi Linear (fla's `kda_gate_chunk_cumsum` and the
   recurrent kernel both switch on it).
-- `short_conv`: fla's `causal_conv1d` (varlen, prefill). fla's cache is [N, C, W] with column W-1 the newest input and column 0 never read; ours is
-  [N, C, W-1], so it is padded with one zero column on the way in and trimmed on the way out
-  (spec 14.5).
+- `short_conv`: fla's `causal_conv1d` (varlen, prefill). fla's cache is [N, C, W] with column
+  W-1 the newest input and column 0 never read; ours is [N, C, W-1], so it is padded with one
+  zero column on the way in and trimmed on the way out (spec 14.5).
 - `gated_rms_norm`: fla's fused `rms_norm_gated` with activation 'sigmoid'.
 - `kda_decode_` / `short_conv_decode_`: the decode step in place on the cache, through block
   indices (our `recurrent_decode` and `conv_decode` kernels).
+- `kda_prefill_` / `short_conv_prefill_`: prefill in place on the cache: `chunk_kda`'s steps
+  with our `chunk_state` kernel for the state recurrence, and our `conv_prefill` kernel.
 
 State layout: K-first [N, H, K, V] fp32 (fla's default, `state_v_first=False`).
 Shape legend: T packed tokens, N sequences, H heads, K key dim, V value dim, C conv channels,
@@ -69,6 +71,58 @@ def kda_prefill(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, initial_st
     return o[0], state
 
 
+@torch.no_grad()
+def kda_prefill_(
+    q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, state_pool, slots, warm, cu_seqlens
+):
+    """`kda_prefill` in place on the cache: each sequence continues from `state_pool[slots[n]]`
+    where warm[n] != 0 (zeros elsewhere) and leaves its final state there.
+
+    The steps of fla 0.6.0's `chunk_kda` forward (gate cumsum, intra-chunk WY terms, output)
+    with our `chunk_state` kernel in place of `chunk_gated_delta_rule_fwd_h`, the one step that
+    reads and writes the recurrent state: no [N, H, K, V] gather or scatter around the call.
+    q, k, v, f, b, A_log, dt_bias as in `kda_prefill`; state_pool [NB, H, K, V] fp32 (each
+    block's state contiguous); slots [N], warm [N]: device tensors; cu_seqlens: N+1 offsets
+    (list). Returns o [T, H, V] in q's dtype.
+    """
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.common.gate import fused_beta_sigmoid_fwd
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.kda.gate import kda_gate_chunk_cumsum
+    from fla.ops.utils import prepare_chunk_indices
+    from fla.ops.utils.constant import RCP_LN2
+
+    from k3kernels.kda.chunk_state import chunk_state_prefill_
+
+    BT = 64  # chunk_kda's default chunk size
+    cu, cu_cpu = _cu_seqlens(cu_seqlens, q.device)
+    chunk_indices = prepare_chunk_indices(cu, BT, cu_seqlens_cpu=cu_cpu)
+    varlen = dict(cu_seqlens=cu, chunk_size=BT, chunk_indices=chunk_indices)
+    q, k, v, f = (t.contiguous()[None] for t in (q, k, v, f))  # [1, T, H, *], as chunk_kda
+    q, _ = l2norm_fwd(q)
+    k, _ = l2norm_fwd(k)
+    beta = fused_beta_sigmoid_fwd(b.contiguous()[None])
+    g = kda_gate_chunk_cumsum(
+        g=f,
+        A_log=A_log.float().contiguous(),
+        dt_bias=dt_bias.float().contiguous(),
+        scale=RCP_LN2,  # log2 space: the kernels use exp2
+        lower_bound=lower_bound,
+        **varlen,
+    )
+    # chunk_kda_fwd passes safe_gate but not lower_bound to the intra-chunk step; so do we.
+    w, u, _, kg, Aqk, _ = chunk_kda_fwd_intra(
+        q=q, k=k, v=v, gk=g, beta=beta, scale=scale, safe_gate=lower_bound is not None, **varlen
+    )
+    h, v_new = chunk_state_prefill_(
+        kg[0], w[0], u[0], g[0], state_pool=state_pool, slots=slots, warm=warm,
+        cu_seqlens=cu_seqlens, chunk_size=BT,
+    )  # fmt: skip
+    o = chunk_gla_fwd_o_gk(q=q, v=v_new[None], g=g, A=Aqk, h=h[None], scale=scale, **varlen)
+    return o[0]
+
+
 def kda_decode_(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, state_pool, slots):
     """One recurrent step per sequence in place on the cache: `k3kernels.kda.recurrent_decode`
     (fla's recurrent kernel takes V in blocks of 32 and reached ~63% of the copy bandwidth)."""
@@ -83,6 +137,14 @@ def short_conv_decode_(x_NC, weight_CW, pool_BCW, slots):
     from k3kernels.kda.conv_decode import short_conv_decode_
 
     return short_conv_decode_(x_NC, weight_CW, pool_BCW, slots)
+
+
+def short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens):
+    """`short_conv` in place on the cache: `k3kernels.kda.conv_prefill` (fla's causal_conv1d
+    reads and writes states only through [N, C, W] tensors)."""
+    from k3kernels.kda.conv_prefill import short_conv_prefill_
+
+    return short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens)
 
 
 @torch.no_grad()

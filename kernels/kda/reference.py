@@ -1,5 +1,7 @@
 """Plain-torch fp32 reference of the KDA core: gate, L2 norm, recurrence (stepwise and chunked),
-short convolution with a cached state, and the sigmoid-gated RMSNorm.
+short convolution with a cached state, and the sigmoid-gated RMSNorm; the in-place decode and
+prefill ops on a pool of cache blocks (gather, compute, scatter); and the inter-chunk state
+recurrence alone (`chunk_state`, the oracle of the `chunk_state` kernel).
 
 This is both the CPU backend of the engine and the oracle the Triton/fla path is tested against.
 Shapes: T tokens of one sequence (or packed, with `cu_seqlens`), N sequences, H heads, K key
@@ -167,3 +169,79 @@ def short_conv_decode_(x_NC, weight_CW, pool_BCW, slots):
     y, state = short_conv(x_NC, weight_CW, pool_BCW[slots], list(range(N + 1)))
     pool_BCW[slots] = state.to(pool_BCW.dtype)
     return y
+
+
+# ---- prefill in place on the cache (the contract of `chunk_state` and `conv_prefill`) --------
+
+
+def _initial_states(pool, slots, warm):
+    """pool[slots[n]] where warm[n] != 0, zeros elsewhere: a fresh sequence's block holds
+    stale bytes (possibly NaN), so it is masked rather than multiplied by zero."""
+    rows = pool[slots]
+    keep = (warm != 0).view(-1, *[1] * (rows.dim() - 1))
+    return torch.where(keep, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+
+def kda_prefill_(
+    q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, state_pool, slots, warm, cu_seqlens
+):
+    """`kda_core` (chunked) on a packed batch, each sequence continuing from its block's state
+    `state_pool[slots[n]]` where warm[n] != 0 (zeros elsewhere) and leaving its final state
+    there. state_pool: [NB, H, K, V] fp32; slots: [N] distinct indices; warm: [N] ints or bools;
+    the rest as in `kda_core`. Returns o [T, H, V] fp32."""
+    o, state = kda_core(
+        q,
+        k,
+        v,
+        f,
+        b,
+        A_log,
+        dt_bias,
+        lower_bound=lower_bound,
+        scale=scale,
+        initial_state=_initial_states(state_pool, slots, warm),
+        cu_seqlens=cu_seqlens,
+        chunked=True,
+    )
+    state_pool[slots] = state
+    return o
+
+
+def short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens):
+    """`short_conv` on a packed batch, in place on `pool_BCW[slots[n]]` ([NB, C, W-1], oldest
+    input first; zeros stand in where warm[n] == 0). Returns y [T, C] in x's dtype."""
+    y, state = short_conv(x, weight_CW, _initial_states(pool_BCW, slots, warm), cu_seqlens)
+    pool_BCW[slots] = state.to(pool_BCW.dtype)
+    return y
+
+
+def chunk_state(kg, w, u, gk, initial_state, cu_seqlens, chunk_size: int = 64):
+    """The inter-chunk recurrence of chunked KDA from the intra-chunk WY terms, in fp32 (the
+    oracle of `k3kernels.kda.chunk_state`).
+
+    kg, w, gk: [T, H, K] (gk the chunk-local cumulative log2 gate); u: [T, H, V];
+    initial_state: [N, H, K, V]; cu_seqlens: N+1 offsets (list). Per chunk c of each sequence:
+    h[c] = S; v_new_c = u_c - w_c S; S <- exp2(gk at c's last token) S + kg_c^T v_new_c.
+    Returns (h [NT, H, K, V], v_new [T, H, V], final states [N, H, K, V]).
+    """
+    kg, w, u, gk = (t.float() for t in (kg, w, u, gk))
+    v_new = torch.empty_like(u)
+    hs, finals = [], []
+    for n in range(len(cu_seqlens) - 1):
+        S = initial_state[n].float()
+        for c0 in range(cu_seqlens[n], cu_seqlens[n + 1], chunk_size):
+            sl = slice(c0, min(c0 + chunk_size, cu_seqlens[n + 1]))
+            hs.append(S)
+            v_new[sl] = u[sl] - torch.einsum("thk,hkv->thv", w[sl], S)
+            decay = gk[sl.stop - 1].exp2()[..., None]  # [H, K, 1]
+            S = decay * S + torch.einsum("thk,thv->hkv", kg[sl], v_new[sl])
+        finals.append(S)
+    return torch.stack(hs), v_new, torch.stack(finals)
+
+
+def chunk_state_(kg, w, u, gk, *, state_pool, slots, warm, cu_seqlens, chunk_size: int = 64):
+    """`chunk_state` in place on the cache, as `kda_prefill_`. Returns (h, v_new) fp32."""
+    init = _initial_states(state_pool, slots, warm)
+    h, v_new, state = chunk_state(kg, w, u, gk, init, cu_seqlens, chunk_size)
+    state_pool[slots] = state
+    return h, v_new

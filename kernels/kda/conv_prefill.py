@@ -1,0 +1,124 @@
+"""The KDA short convolution over a packed prefill batch, in place on the cache (Triton).
+
+For each sequence n of the batch: y_t = SiLU(sum_j w[:, j] x_{t-W+1+j}), where inputs before
+the sequence's first new token come from its conv state, the previous W-1 inputs kept in its
+KDA block (`pool[slots[n]]`; zeros when `warm[n] == 0`, since a fresh sequence's block holds
+stale bytes). The block is then overwritten with the last W-1 inputs of the window
+[old state, new tokens], so a sequence shorter than W-1 tokens keeps part of its old state,
+shifted. No gather, no new state tensor, no host read. The oracle is
+`reference.short_conv_prefill_`.
+
+Program (channel block, sequence) walks the sequence in blocks of BLOCK_T tokens; each output
+needs W shifted loads, which read the old state where they reach before the first token. The
+program reads the old state (for the first block and for the new state) before it writes the
+new one, and no other program touches those channels of that block, so the update is
+race-free. The conv sums fp32 products; the state is copied exactly.
+
+Shape legend: T packed tokens, N sequences, C channels, W conv width, NB blocks of the arena.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+# Launch settings. TODO: sweep on an H200; a [BLOCK_T, BLOCK_C] fp32 tile per program is
+# 32 registers a thread at 4 warps.
+BLOCK_T = 32
+BLOCK_C = 128
+NUM_WARPS = 4
+
+
+@triton.jit
+def short_conv_prefill_kernel(
+    x,  # [T, C], unit channel stride
+    y,  # [T, C] out, contiguous
+    pool,  # [NB, C, W-1] view (stride_pb, stride_pc, stride_pw)
+    slots,  # [N] int
+    warm,  # [N] int or bool: nonzero where the block holds the state to continue from
+    weight,  # [C, W] fp32, contiguous
+    cu_seqlens,  # [N + 1] int64
+    stride_x,
+    stride_pb,
+    stride_pc,
+    stride_pw,
+    C,
+    W: tl.constexpr,
+    BW: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+):
+    i_c, i_n = tl.program_id(0), tl.program_id(1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    slot = tl.load(slots + i_n).to(tl.int64)
+    # Old-state columns hold positions first..-1 of the sequence: W-1 of them, or none for a
+    # cold sequence. (A bound, not a scalar bool in the masks: the interpreter types
+    # `bool tensor & bool scalar` as int32.)
+    first = tl.where(tl.load(warm + i_n) != 0, 1 - W, 0)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    p_state = pool + slot * stride_pb + o_c * stride_pc  # [BC], column 0 of the state
+
+    for t0 in range(0, T, BT):
+        o_t = t0 + tl.arange(0, BT)
+        m_t = o_t < T
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
+        for j in tl.static_range(W):
+            # Input j of the window of token t is at position t - (W-1) + j of the sequence;
+            # a negative position p is column W-1 + p of the old state.
+            src = o_t - (W - 1) + j
+            in_x = src >= 0
+            m_x = (m_t & in_x)[:, None] & m_c[None, :]
+            b_x = tl.load(x + (bos + src)[:, None] * stride_x + o_c[None, :], mask=m_x, other=0.0)
+            m_s = (m_t & (src < 0) & (src >= first))[:, None] & m_c[None, :]
+            p_s = p_state[None, :] + (src + W - 1)[:, None] * stride_pw
+            b_s = tl.load(p_s, mask=m_s, other=0.0).to(b_x.dtype)  # state read in x's dtype
+            b_w = tl.load(weight + o_c * W + j, mask=m_c, other=0.0)
+            acc += tl.where(in_x[:, None], b_x, b_s).to(tl.float32) * b_w[None, :]
+        b_y = acc * tl.sigmoid(acc)
+        p_y = y + (bos + o_t)[:, None] * C + o_c[None, :]
+        tl.store(p_y, b_y.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+
+    # New state column i: position T - (W-1) + i, from x or (when negative) the old state.
+    o_w = tl.arange(0, BW)
+    m_w = o_w < W - 1
+    src = T - (W - 1) + o_w
+    in_x = src >= 0
+    m_x = m_c[:, None] & (m_w & in_x)[None, :]
+    b_x = tl.load(x + (bos + src)[None, :] * stride_x + o_c[:, None], mask=m_x, other=0.0)
+    m_s = m_c[:, None] & (m_w & (src < 0) & (src >= first))[None, :]
+    p_old = p_state[:, None] + (src + W - 1)[None, :] * stride_pw
+    b_old = tl.load(p_old, mask=m_s, other=0.0).to(b_x.dtype)
+    b_new = tl.where(in_x[None, :], b_x, b_old)  # [BC, BW]
+    # Every thread has read its part of the old state before any thread overwrites it.
+    tl.debug_barrier()
+    p_new = p_state[:, None] + o_w[None, :] * stride_pw
+    tl.store(p_new, b_new.to(pool.dtype.element_ty), mask=m_c[:, None] & m_w[None, :])
+
+
+def short_conv_prefill_(x_TC, weight_CW, pool_BCW, slots_N, warm_N, cu_seqlens,
+                        block_t: int = BLOCK_T, block_c: int = BLOCK_C,
+                        num_warps: int = NUM_WARPS):  # fmt: skip
+    """Causal depthwise conv + SiLU over a packed batch, continuing each sequence from its conv
+    state in place.
+
+    x_TC: [T, C]; weight_CW: [C, W] (column W-1 multiplies the current token); pool_BCW:
+    [NB, C, W-1] (a view into the arena, any strides), read and overwritten at rows `slots_N`
+    (distinct int device indices); warm_N: [N] device ints or bools (0: start from zeros);
+    cu_seqlens: N+1 offsets (host list). Returns y [T, C] in x's dtype.
+    """
+    T, C = x_TC.shape
+    W = weight_CW.shape[1]
+    assert pool_BCW.shape[1:] == (C, W - 1)
+    x = x_TC if x_TC.stride(1) == 1 else x_TC.contiguous()
+    y = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    N = len(cu_seqlens) - 1
+    if N == 0:
+        return y
+    cu = torch.tensor(cu_seqlens, dtype=torch.long).to(x.device, non_blocking=True)
+    short_conv_prefill_kernel[(triton.cdiv(C, block_c), N)](
+        x, y, pool_BCW, slots_N, warm_N, weight_CW.float().contiguous(), cu, x.stride(0),
+        *pool_BCW.stride(), C, W=W, BW=triton.next_power_of_2(W - 1), BT=block_t, BC=block_c,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return y
