@@ -32,7 +32,7 @@ import torch
 from k3batch.model import get_flavor
 from k3kernels.moe.experts import fused_experts
 from k3kernels.moe.grouped_gemm import grouped_mm
-from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton
+from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton, regime
 from k3kernels.moe.mxfp4 import round_to_mxfp4_
 from k3kernels.moe.permute import sort_slots
 
@@ -155,7 +155,7 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
         gemm = gemm_mxfp4 if expert_dtype == "mxfp4" else partial(gemm_only, impl="triton")
         name = "gemm-mxfp4" if expert_dtype == "mxfp4" else "gemm-triton"
         impls += [(f"{name} {json.dumps(cfg)}", gemm(cfg=cfg))
-                  for cfg in sweep_configs(num_tokens <= 4 * config.num_experts)]  # fmt: skip
+                  for cfg in sweep_configs(regime(num_tokens * k, config.num_experts) == "decode")]  # fmt: skip
     for impl, fn in impls:
         try:
             ms = _time_ms(fn, repeats)
@@ -171,7 +171,7 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
     return rows
 
 
-def save_best(rows: list[dict], expert_dtype: str, num_tokens: int, num_experts: int) -> dict:
+def save_best(rows: list[dict], expert_dtype: str, num_slots: int, num_experts: int) -> dict:
     """The fastest swept config into the current GPU's tuned table (the JSON file that
     `launch_config` reads), for this weight format and regime; returns it."""
     from k3kernels.moe import grouped_gemm_triton as G
@@ -183,8 +183,7 @@ def save_best(rows: list[dict], expert_dtype: str, num_tokens: int, num_experts:
     cfg = json.loads(best["impl"].split(" ", 1)[1])
     path = G.TUNED_DIR / (torch.cuda.get_device_name().replace(" ", "_") + ".json")
     table = json.loads(path.read_text()) if path.exists() else {}
-    regime = "decode" if num_tokens <= 4 * num_experts else "prefill"
-    table.setdefault(expert_dtype, {})[regime] = cfg
+    table.setdefault(expert_dtype, {})[G.regime(num_slots, num_experts)] = cfg
     path.write_text(json.dumps(table, indent=2) + "\n")
     G.tuned_configs.cache_clear()
     return cfg
@@ -197,9 +196,7 @@ def sweep_configs(decode: bool) -> list[dict]:
     else:
         grid = itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
     keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
-    configs = [dict(zip(keys, values)) for values in grid]
-    # the program order of the grouped GEMMs (see grouped_gemm_triton), at the first config
-    return configs + [configs[0] | {"expert_major": False}]
+    return [dict(zip(keys, values)) for values in grid]
 
 
 def _loop_experts(x_TD, w13, w2, ids_Tk, weights_Tk, *, act, beta, linear_beta):

@@ -117,8 +117,9 @@ def bench_moe(flavor, tokens, layers, repeats, expert_dtype, sweep, save_tuned, 
                               expert_dtype=expert_dtype, sweep=sweep)  # fmt: skip
         click.echo(format_moe_table(rows))
         if sweep and save_tuned:
-            experts = get_flavor(flavor).num_experts
-            cfg = save_best(rows, expert_dtype, tokens, experts)
+            config = get_flavor(flavor)
+            slots = tokens * config.num_experts_per_token
+            cfg = save_best(rows, expert_dtype, slots, config.num_experts)
             click.echo(f"tuned table <- {expert_dtype} at {tokens} tokens: {cfg}")
     except ValueError as e:
         raise click.ClickException(str(e)) from None

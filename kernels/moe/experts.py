@@ -31,9 +31,9 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
     dtype per call, the reference path); ids [T, k] global expert ids; weights [T, k].
     use_triton: the fused Triton activation and combine (default: on CUDA).
     gemm_impl: "torch" (`torch._grouped_mm`), "triton" (`grouped_gemm_triton`) or "auto": Triton
-    at decode shapes (at most 4 slots per local expert; one H200, k3-slice, 64 tokens: 3.94
-    TB/s against 2.88 on the expert bytes), torch otherwise (prefill: 47% of the bf16 peak
-    against 30%).
+    at decode shapes (`grouped_gemm_triton.regime`; one H200, k3-slice, 64 tokens: 3.94 TB/s
+    against 2.88 on the expert bytes), torch otherwise (prefill: 47% of the bf16 peak against
+    38%).
     """
     if use_triton is None:
         use_triton = x_TD.is_cuda
@@ -71,7 +71,9 @@ def _pick_gemm(w13, ids_Tk, cuda: bool, gemm_impl: str):
 
         return grouped_mm_mxfp4
     if gemm_impl == "auto":
-        decode = ids_Tk.numel() <= 4 * w13.shape[0]
+        from k3kernels.moe.grouped_gemm_triton import regime
+
+        decode = regime(ids_Tk.numel(), w13.shape[0]) == "decode"
         gemm_impl = "triton" if decode and cuda else "torch"
     if gemm_impl == "triton":
         from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton

@@ -11,11 +11,13 @@ tile exit at once. Program order (`program_tile`) is expert-major: an expert's p
 side by side, N block after N block with its M tiles innermost, so both its rows of x and each
 [block_n, K] tile of its weight are read from memory once and then from L2. (In tile-major
 order, every N block streamed all of x again: at k3-slice prefill, 117 MB of rows 48 times per
-gate-up GEMM, about as many bytes as the weights themselves.) Each program computes a
+gate-up GEMM, about as many bytes as the weights themselves. On one H200 at k3-slice prefill the
+expert-major order took the GEMMs from 32.1 to 25.7 ms at the same tiles.) Each program computes a
 [block_m, block_n] tile of x[rows] @ w[e].T with fp32 accumulation (`tl.dot`; TF32 for fp32
 inputs unless TRITON_F32_DEFAULT says otherwise). Runs under TRITON_INTERPRET=1 on CPU.
-Measured on one H200 at k3-slice prefill (64-row tiles): 30% of the bf16 peak against 47% for
-`torch._grouped_mm`; `k3batch bench moe` has rows for it at prefill and decode shapes.
+Measured on one H200 at k3-slice prefill: 40% of the bf16 peak at best (128 x 256 tiles, 8
+warps) against 47% for `torch._grouped_mm`, which therefore serves prefill; at decode shapes
+the Triton kernel streams the weights at 3.9-4.0 TB/s against 2.8-3.0 (`k3batch bench moe`).
 Shape legend: M sorted rows, K input width, N output width, E experts.
 """
 
@@ -49,24 +51,18 @@ def tile_table(offs_E: torch.Tensor, num_rows: int, BLOCK_M: int) -> torch.Tenso
 
 
 @triton.jit
-def program_tile(table_ptr, P, N, E, BLOCK_N: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
-    """(expert, first row, N block) of this program (1D grid of P x cdiv(N, BLOCK_N)); expert
-    E for a program past the last real tile. EXPERT_MAJOR: the order of the module doc; else
-    tile-major (the M tile fastest, then the N block)."""
+def program_tile(table_ptr, P, N, E, BLOCK_N: tl.constexpr):
+    """(expert, first row, N block) of this program (1D grid of P x cdiv(N, BLOCK_N)), in the
+    expert-major order of the module doc; expert E for a program past the last real tile."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
-    if EXPERT_MAJOR:
-        t = pid // num_n
-        expert = tl.load(table_ptr + t)
-        group_start = tl.load(table_ptr + 2 * P + t)
-        group_size = tl.maximum(tl.load(table_ptr + 3 * P + t), 1)  # 0 past the last tile
-        local = pid - group_start * num_n
-        tile = group_start + local % group_size
-        n_block = local // group_size
-    else:
-        tile = pid % P
-        n_block = pid // P
-        expert = tl.load(table_ptr + tile)
+    t = pid // num_n  # expert e's programs are [first tile of e, its last + 1) x num_n
+    expert = tl.load(table_ptr + t)
+    group_start = tl.load(table_ptr + 2 * P + t)
+    group_size = tl.maximum(tl.load(table_ptr + 3 * P + t), 1)  # 0 past the last tile
+    local = pid - group_start * num_n
+    tile = group_start + local % group_size
+    n_block = local // group_size
     first = tl.load(table_ptr + P + tile, mask=expert < E, other=0)
     return expert, first, n_block
 
@@ -85,8 +81,8 @@ def tile_rows_cols(first, offs_ptr, expert, n_block, N, BLOCK_M: tl.constexpr,
 def grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, offs_ptr, table_ptr, P,
                         N, K, stride_x, stride_we, stride_wn, stride_out, E,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EXPERT_MAJOR: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
-    expert, first, n_block = program_tile(table_ptr, P, N, E, BLOCK_N, EXPERT_MAJOR)
+                        UPCAST: tl.constexpr):  # fmt: skip
+    expert, first, n_block = program_tile(table_ptr, P, N, E, BLOCK_N)
     if expert < E:
         rows, cols, row_ok, col_ok = tile_rows_cols(first, offs_ptr, expert, n_block, N,
                                                     BLOCK_M, BLOCK_N)  # fmt: skip
@@ -122,16 +118,27 @@ def tuned_configs(device_name: str) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+# Decode tiles (16 rows, weights streamed once) up to this many slots per expert on average.
+# One H200, k3-slice, 256 tokens (4.6 per expert): MXFP4 8.4 ms with decode tiles against 20.3
+# with prefill ones, bf16 12.7 ms (Triton, decode tiles) against 17.0 (torch's grouped GEMM).
+DECODE_ROWS_PER_EXPERT = 8
+
+
+def regime(num_rows: int, num_experts: int) -> str:
+    """"decode" (few rows per expert: memory bound) or "prefill"."""
+    return "decode" if num_rows <= DECODE_ROWS_PER_EXPERT * num_experts else "prefill"
+
+
 def launch_config(num_rows: int, num_experts: int, weights: str = "bf16") -> dict:
     """Tiles by the mean rows per expert (host integers): decode (a few rows per expert, the
     weights streamed once, memory bound) takes 16-row tiles and long K steps; prefill larger
     tiles. The current GPU's tuned table (`k3batch bench moe --sweep` measures one) overrides
     the defaults; weights: "bf16" or "mxfp4"."""
-    regime = "decode" if num_rows <= 4 * num_experts else "prefill"
+    kind = regime(num_rows, num_experts)
     tuned = {}
     if not _INTERPRETED and torch.cuda.is_available():
-        tuned = tuned_configs(torch.cuda.get_device_name()).get(weights, {}).get(regime, {})
-    return DEFAULT_CONFIGS[regime] | tuned
+        tuned = tuned_configs(torch.cuda.get_device_name()).get(weights, {}).get(kind, {})
+    return DEFAULT_CONFIGS[kind] | tuned
 
 
 def grouped_mm_triton(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
@@ -154,7 +161,6 @@ def grouped_mm_triton(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Ten
     grouped_gemm_kernel[grid](x_MK, w_ENK, out, offs_E, table, P, N, K,
                               x_MK.stride(0), w_ENK.stride(0), w_ENK.stride(1), out.stride(0), E,
                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["block_k"],
-                              EXPERT_MAJOR=cfg.get("expert_major", True),
                               UPCAST=_INTERPRETED and x_MK.dtype != torch.float32,
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     return out

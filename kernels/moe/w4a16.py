@@ -95,9 +95,9 @@ def _e2m1_pairs_bf16(q, scale):
 def w4a16_grouped_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, table_ptr, P,
                          N, K, stride_x, stride_qe, stride_qn, stride_se, stride_sn, stride_out, E,
                          GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, EXPERT_MAJOR: tl.constexpr, UPCAST: tl.constexpr,
+                         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
                          PTX: tl.constexpr):  # fmt: skip
-    expert, first, n_block = program_tile(table_ptr, P, N, E, BLOCK_N, EXPERT_MAJOR)
+    expert, first, n_block = program_tile(table_ptr, P, N, E, BLOCK_N)
     if expert < E:
         rows, cols, row_ok, col_ok = tile_rows_cols(first, offs_ptr, expert, n_block, N,
                                                     BLOCK_M, BLOCK_N)  # fmt: skip
@@ -166,7 +166,7 @@ def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
         x_MK, w.packed, w.scale, out, offs_E, table, P, N, K, x_MK.stride(0),
         w.packed.stride(0), w.packed.stride(1), w.scale.stride(0), w.scale.stride(1),
         out.stride(0), E, GROUP=GROUP_SIZE, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"], EXPERT_MAJOR=cfg.get("expert_major", True), UPCAST=_INTERPRETED and x_MK.dtype != torch.float32,
+        BLOCK_K=cfg["block_k"], UPCAST=_INTERPRETED and x_MK.dtype != torch.float32,
         PTX=not _INTERPRETED and x_MK.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
