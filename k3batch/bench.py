@@ -133,10 +133,20 @@ def active_params(config) -> int:
     return total
 
 
+def _expert_dtype(model) -> str:
+    """"mxfp4" when the routed experts are held packed, else their dtype's name."""
+    for name, p in model.named_parameters():
+        if ".block_sparse_moe.experts." in name:
+            return "mxfp4" if p.dtype == torch.uint8 else str(p.dtype).removeprefix("torch.")
+    return "none"
+
+
 def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, new_tokens: int,
                       chunk_size: int, seed: int = 0, profile: bool = False,
-                      cuda_graphs: bool = True, expert_dtype: str = "bf16") -> dict:  # fmt: skip
-    """Single-device engine speed on random weights made on the device (no checkpoint):
+                      cuda_graphs: bool = True, expert_dtype: str | None = None,
+                      model_dir: str | None = None) -> dict:  # fmt: skip
+    """Single-device engine speed on random weights made on the device, or on the checkpoint at
+    `model_dir` (its own flavor; experts as stored unless expert_dtype says otherwise):
     prefill tokens/s over `batch` prompts (median of PREFILL_REPEATS), then decode tokens/s with all of them running, and
     the decode step beside its roofline (bytes it must read over the H200's copy bandwidth).
     With `profile`, one more prefill and then its first PROFILED_DECODE_STEPS decode steps
@@ -146,13 +156,19 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
     from k3batch.engine.engine import Engine
     from k3batch.engine.request import Phase, SamplingParams
     from k3batch.model import K3Model, get_flavor
+    from k3batch.model.loader import load_model
     from k3batch.model.init import init_random_
 
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.perf_counter()
-    model = K3Model(get_flavor(flavor), dtype=dtype, device=device, expert_dtype=expert_dtype)
-    init_random_(model, seed).eval().set_backend("fla" if cuda else "torch")
+    if model_dir is not None:
+        model = load_model(model_dir, dtype=dtype, device=device,
+                           expert_dtype=expert_dtype or "auto").eval()  # fmt: skip
+    else:
+        model = K3Model(get_flavor(flavor), dtype=dtype, device=device,
+                        expert_dtype=expert_dtype or "bf16")  # fmt: skip
+        init_random_(model, seed).eval().set_backend("fla" if cuda else "torch")
     build_s = time.perf_counter() - t0
     cfg = EngineConfig(max_num_seqs=batch, max_seq_len=prompt_len + new_tokens + 1,
                        chunk_size=chunk_size, max_batch_tokens=max(chunk_size, 8192),
@@ -204,7 +220,8 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
     prefill_tps = batch * prompt_len / t_prefill
     flops_per_token = 2 * active_params(model.config)
     row = {
-        "flavor": flavor, "device": device, "batch": batch, "prompt_len": prompt_len,
+        "flavor": flavor if model_dir is None else None, "device": device, "batch": batch,
+        "prompt_len": prompt_len,
         "new_tokens": new_tokens, "chunk_size": chunk_size, "build_s": round(build_s, 1),
         "graphs": engine.runner.graphs is not None and bool(engine.runner.graphs.graphs),
         "capture_s": round(capture_s, 1),
@@ -217,7 +234,7 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
         "decode_roofline_x": round(1000 * t_decode / max(steps, 1) / floor.floor_ms(), 2),
         "decode_bytes": {k: getattr(floor, k) for k in ("dense", "experts", "kda", "mla")},
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
-        "expert_dtype": expert_dtype,
+        "model": model_dir, "expert_dtype": _expert_dtype(model),
         "weights_gib": round(sum(p.nbytes for p in model.parameters()) / 2**30, 1),
         "routed_expert_gib": round(sum(p.nbytes for n, p in model.named_parameters()
                                        if ".block_sparse_moe.experts." in n) / 2**30, 2),

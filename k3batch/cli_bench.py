@@ -62,12 +62,16 @@ def _append_jsonl(path: str | None, rows: list[dict]) -> None:
 @click.option("--chunk-size", default=2048, show_default=True, type=int)
 @click.option("--profile", is_flag=True, help="Also print the top ops of prefill and decode.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True)
-@click.option("--expert-dtype", type=click.Choice(["bf16", "mxfp4"]), default="bf16",
-              show_default=True, help="Routed experts in memory (mxfp4: packed, W4A16).")
+@click.option("--expert-dtype", type=click.Choice(["bf16", "mxfp4"]), default=None,
+              help="Routed experts in memory (mxfp4: packed, W4A16); default bf16 on random "
+              "weights, as stored with --model.")  # fmt: skip
+@click.option("--model", "model_dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="A checkpoint instead of random weights (--flavor is then ignored).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, profile, cuda_graphs,
-                 expert_dtype, json_path):  # fmt: skip
-    """Single-device engine throughput, prefill MFU and peak memory on random weights."""
+                 expert_dtype, model_dir, json_path):  # fmt: skip
+    """Single-device engine throughput, prefill MFU and peak memory on random weights or a
+    checkpoint."""
     from k3batch.actors.build import default_device
     from k3batch.bench import engine_throughput, format_profile
 
@@ -81,6 +85,7 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, prof
         profile=profile,
         cuda_graphs=cuda_graphs,
         expert_dtype=expert_dtype,
+        model_dir=model_dir,
     )
     if profile:
         from k3batch.bench import PROFILED_DECODE_STEPS
