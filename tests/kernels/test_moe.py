@@ -269,6 +269,7 @@ def _interpreted_checks():
     for K in (64, 48):
         for bm in (16, 64):
             _check_grouped_mm_mxfp4("cpu", K=K, block_m=bm, block_n=16, block_k=32)
+            _check_grouped_mm_mxfp4("cpu", K=K, block_m=bm, block_n=16, block_k=32, swap_ab=True)
     for name in ("T33-D32-I24-E8-k2", "T33-D32-I24-E8-k2-ep4of8"):
         _check_experts(TINY[name], torch.float32, "cpu", use_triton=True, mxfp4=True)
     _check_experts(TINY["T33-D32-I24-E8-k2-ep4of8"], torch.float32, "cpu", use_triton=True,
@@ -295,6 +296,8 @@ def test_grouped_mm_mxfp4_gpu():
         _check_grouped_mm_mxfp4("cuda", M=300, K=K, N=N, tol_bf16=2e-3)
         _check_grouped_mm_mxfp4("cuda", M=40, K=K, N=N, tol_bf16=2e-3, block_m=16, block_n=64,
                                 block_k=128, num_stages=4)  # fmt: skip
+        _check_grouped_mm_mxfp4("cuda", M=40, K=K, N=N, tol_bf16=2e-3, block_m=16, block_n=64,
+                                block_k=128, num_warps=4, num_stages=3, swap_ab=True)  # fmt: skip
     for shape in ("T8192-prefill", "T64-decode", "T8192-ep2-rank1"):
         _check_experts(K3_SLICE[shape], torch.bfloat16, "cuda", use_triton=True, mxfp4=True)
 
