@@ -53,7 +53,7 @@ def test_conv_decode_kernel_matches_reference(N, C):
     before = conv_buf.clone()
     x = torch.randn(N, C, generator=g)
     w = torch.randn(C, W, generator=g) * 0.5
-    ref_pool = conv[:, 1].clone()
+    ref_pool = conv[:, 1].cpu().clone()  # the reference runs on the CPU
     y_ref = R.short_conv_decode_(x, w, ref_pool, slots)
     y = short_conv_decode_(x.to(DEV), w.to(DEV), conv[:, 1], slots.to(DEV))
     assert_close("conv_y", y_ref, y.cpu(), rel_rms=TOLERANCES[("conv_y", dtype)][0])
