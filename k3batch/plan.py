@@ -429,9 +429,8 @@ class LayoutSearch:
         if c.tp_size > per_node:
             out.append(
                 f"  note: the decode group spans {_nodes(c.tp_size, per_node)} of {per_node} "
-                "(its TP collectives cross the network); the driver today places a decode group "
-                "on one node (STRICT_PACK in driver/replicas.py), so a job of this layout waits "
-                "for resources until decode groups may span nodes"
+                "(its TP collectives cross the network): the replica's placement group is then "
+                "PACK (driver/replicas.py); not yet run across nodes"
             )
         return out + [""] + c.lines()
 
