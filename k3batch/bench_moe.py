@@ -191,16 +191,17 @@ def save_best(rows: list[dict], expert_dtype: str, num_slots: int, num_experts: 
 
 
 def sweep_configs(decode: bool, weights: str = "bf16") -> list[dict]:
-    """Launch configs of the Triton grouped GEMMs that `--sweep` times; for MXFP4 at decode also
-    the swapped form (`w4a16` module doc), its weight tiles at least one warp group's 64 rows."""
+    """Launch configs of the Triton grouped GEMMs that `--sweep` times; for MXFP4 also the
+    swapped form (`w4a16` module doc), its weight tiles at least one warp group's 64 rows."""
     keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
-    if not decode:
+    if decode:
+        grid = itertools.product((16,), (32, 64, 128), (64, 128, 256), (2, 4), (2, 3, 4))
+        swapped = itertools.product((16,), (64, 128), (64, 128, 256), (4, 8), (2, 3, 4))
+    else:
         grid = itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
-        return [dict(zip(keys, values)) for values in grid]
-    grid = itertools.product((16,), (32, 64, 128), (64, 128, 256), (2, 4), (2, 3, 4))
+        swapped = itertools.product((64, 128), (128,), (64, 128), (4, 8), (3, 4))
     configs = [dict(zip(keys, values)) for values in grid]
     if weights == "mxfp4":
-        swapped = itertools.product((16,), (64, 128), (64, 128, 256), (4, 8), (2, 3, 4))
         configs += [dict(zip(keys, values), swap_ab=True) for values in swapped]
     return configs
 
