@@ -67,3 +67,23 @@ def test_moved_rows_are_retried_uncharged_and_own_failures_charged():
     ((key, row),) = dispatch.take_done()  # the replica's own failure: charged, out of retries
     assert key == (0, 0, 0) and "failed 2 times" in row["error"] and not dispatch.queue
     assert health.state[0] == "dead"
+
+
+def test_startup_notice_says_whether_replicas_are_starting_or_unplaced(monkeypatch):
+    """A replica whose group is placed is loading (no autoscaler talk); an unplaced group names
+    its bundles and the cluster's free resources."""
+    from types import SimpleNamespace
+
+    from k3batch.driver import replicas
+
+    monkeypatch.setattr(replicas, "_free", lambda: "{'GPU': 0}")
+    pool = SimpleNamespace(health=SimpleNamespace(up=lambda: []), r=SimpleNamespace(max_replicas=2),
+                           starting={"ref": (0, 0.0)}, placing={}, bundles=[{"GPU": 1}],
+                           strategy="STRICT_PACK")  # fmt: skip
+    notice = replicas.ReplicaPool._startup_notice(pool, 1, 30, 600)
+    assert "0 of 2 up (min 1), 30 of 600 s; 1 placed and starting" in notice
+    assert "autoscaler" not in notice
+    pool.placing = {"pg": 1}
+    notice = replicas.ReplicaPool._startup_notice(pool, 1, 60, 600)
+    assert "1 waiting for resources" in notice and "[{'GPU': 1}] (STRICT_PACK)" in notice
+    assert "free: {'GPU': 0}" in notice

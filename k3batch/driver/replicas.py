@@ -143,12 +143,7 @@ class ReplicaPool:
                 )
             if time.monotonic() - noticed >= NOTICE_EVERY_S:
                 noticed = time.monotonic()
-                log.warning(
-                    "waiting for resources: %d of %d replica(s) up (min %d), %.0f of %g s; "
-                    "each replica asks for bundles %s (%s), pending for the autoscaler; free: %s",
-                    len(self.health.up()), self.r.max_replicas, need, waited, timeout_s,
-                    self.bundles, self.strategy, _free(),
-                )  # fmt: skip
+                log.warning("%s", self._startup_notice(need, waited, timeout_s))
             refs = [*self.placing, *self.starting]
             if not refs:
                 raise RuntimeError(f"replicas failed to start; states: {self.health.state}")
@@ -156,6 +151,20 @@ class ReplicaPool:
             ready, _ = ray.wait(refs, num_returns=1, timeout=step)
             for ref in ready:
                 self.on_ready(ref)
+
+    def _startup_notice(self, need: int, waited: float, timeout_s: float) -> str:
+        """What start-up waits for: replicas placed and starting (loading the model, sizing
+        memory, warming kernels up), or placement groups the cluster cannot place yet."""
+        notice = (f"waiting for replicas: {len(self.health.up())} of {self.r.max_replicas} up "
+                  f"(min {need}), {waited:.0f} of {timeout_s:g} s")  # fmt: skip
+        if self.starting:
+            notice += (f"; {len(self.starting)} placed and starting (model load, memory "
+                       "sizing, kernel warm-up)")  # fmt: skip
+        if self.placing:
+            notice += (f"; {len(self.placing)} waiting for resources: each asks for bundles "
+                       f"{self.bundles} ({self.strategy}), pending for the autoscaler; free: "
+                       f"{_free()}")  # fmt: skip
+        return notice
 
     def _create(self, i: int) -> None:
         r, single = self.r, self.r.is_single_device
