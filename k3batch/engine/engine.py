@@ -247,20 +247,19 @@ class Engine:
         """The decoding requests of `pool`, each with a page for its next token; when pages
         run out the youngest is retracted (oldest requests keep going)."""
         decoding = [r for r in self.running if r.phase is Phase.DECODE and pool.holds(r.request_id)]
-        for req in list(decoding):
-            if req not in decoding:
-                continue  # retracted below
+        i = 0
+        while i < len(decoding):  # decoding[i + 1:] may shrink from the end (retractions)
+            req = decoding[i]
             while not pool.grow(req.request_id, req.num_computed + 1):
-                victim = decoding[-1]
-                if victim is req and len(decoding) == 1:
+                victim = decoding.pop()
+                if victim is req and not decoding:
                     n = req.num_computed + 1
                     self._abort(req, f"request of {n} tokens does not fit in the cache pool")
-                    decoding.remove(req)
                     break
                 self._retract(victim, pool)
-                decoding.remove(victim)
                 if victim is req:
                     break
+            i += 1
         return decoding
 
     def _retract(self, req: Request, pool: CacheManager) -> None:
@@ -412,7 +411,7 @@ class Engine:
             page_tables=[pool.pages_of(rid) for rid in rids],
         )
         runner.apply(pool.drain())
-        ids = [r.all_token_ids[-1] for r in reqs] + [0] * (len(rids) - len(reqs))
+        ids = [r.last_token_id for r in reqs] + [0] * (len(rids) - len(reqs))
         return reqs, runner, runner.submit(ids, batch, all_logits=False)
 
     def _finish_decode(self, reqs: list[Request], runner, handle) -> None:
@@ -457,7 +456,7 @@ class Engine:
         if tok in stops or (p.stop and self.stop_check(p.stop, req.output_token_ids)):
             req.finish_reason = "stop"
         elif len(req.output_token_ids) >= p.max_new_tokens or (
-            len(req.all_token_ids) >= self.config.max_seq_len
+            req.num_tokens >= self.config.max_seq_len
         ):
             req.finish_reason = "length"
         if req.finish_reason:

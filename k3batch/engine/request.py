@@ -102,8 +102,13 @@ class Request:
     finish_reason: str | None = None
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def last_token_id(self) -> int:
+        """The token a decode step feeds (read per request per step: no list is built)."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def restart(self) -> None:
         """Drop all progress (a retracted request runs again from its prompt)."""
