@@ -39,9 +39,10 @@ def write_random_prompts(path: Path, num_prompts: int, input_len: int, vocab: in
 def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
                   output_len: int, device: str = "auto", model_dir=None, seed: int = 0,
                   num_replicas: int = 1, max_num_seqs: int = 0, layout: dict | None = None,
-                  engine_alone: bool = True) -> dict:  # fmt: skip
+                  chunk_size: int | None = None, engine_alone: bool = True) -> dict:  # fmt: skip
     """The job and (engine_alone) the single engine on the same prompts; a row of numbers.
-    layout: the replicas' pp, tp, dcp, disaggregate (default: one device each)."""
+    layout: the replicas' pp, tp, dcp, disaggregate (default: one device each); chunk_size:
+    the engine's prompt tokens per request per prefill step (default: EngineConfig's)."""
     from k3batch.actors.build import build_engine, default_device
     from k3batch.driver.job import run_job
     from k3batch.jobspec import InputSpec, JobSpec, OutputSpec, ReplicaSpec
@@ -62,7 +63,9 @@ def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
     data = work / f"prompts-{num_prompts}x{input_len}.parquet"
     prompts = write_random_prompts(data, num_prompts, input_len, vocab, seed)
     sampling = SamplingParams(temperature=0, max_new_tokens=output_len, ignore_eos=True)
-    engine = EngineConfig(max_num_seqs=max_num_seqs, max_seq_len=input_len + output_len + 1)
+    chunk = {} if chunk_size is None else {"chunk_size": chunk_size}
+    engine = EngineConfig(max_num_seqs=max_num_seqs, max_seq_len=input_len + output_len + 1,
+                          **chunk)  # fmt: skip
     out = work / f"out-{time.strftime('%Y%m%d-%H%M%S')}"
     spec = JobSpec(model=str(model_dir), name="bench-job", input=InputSpec(path=str(data)),
                    output=OutputSpec(path=str(out)), sampling=sampling, engine=engine,
@@ -76,6 +79,7 @@ def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
     row = {
         "flavor": flavor, "num_prompts": num_prompts, "input_len": input_len,
         "output_len": output_len, "device": device, "num_replicas": num_replicas,
+        "chunk_size": engine.chunk_size,
         "max_num_seqs": sizing.get("max_num_seqs", max_num_seqs), "sizing": sizing,
         "job_wall_s": round(wall, 2),
         "job_startup_s": round(startup, 2),

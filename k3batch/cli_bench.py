@@ -144,6 +144,8 @@ def bench_moe(flavor, tokens, layers, repeats, expert_dtype, sweep, save_tuned, 
 @click.option("--replicas", "num_replicas", default=1, show_default=True, type=int)
 @click.option("--max-num-seqs", default=0, show_default=True, type=int,
               help="0: sized by the engine (on a GPU, from the arena).")
+@click.option("--chunk-size", default=None, type=int,
+              help="Prompt tokens per request per prefill step (default: the engine's).")
 @click.option("--pp", default=1, show_default=True, type=int, help="Prefill stages per replica.")
 @click.option("--tp", default=1, show_default=True, type=int, help="Decode ranks per replica.")
 @click.option("--disaggregate", is_flag=True,
@@ -151,7 +153,7 @@ def bench_moe(flavor, tokens, layers, repeats, expert_dtype, sweep, save_tuned, 
 @click.option("--no-engine", is_flag=True, help="Skip the engine-alone run.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def bench_job(flavor, model_dir, work_dir, num_prompts, input_len, output_len, device,
-              num_replicas, max_num_seqs, pp, tp, disaggregate, no_engine,
+              num_replicas, max_num_seqs, chunk_size, pp, tp, disaggregate, no_engine,
               json_path):  # fmt: skip
     """The batch job on random-token prompts: rows/s, tokens/s, and against the engine alone."""
     from k3batch.bench_job import format_job_bench, run_job_bench
@@ -160,7 +162,7 @@ def bench_job(flavor, model_dir, work_dir, num_prompts, input_len, output_len, d
     row = run_job_bench(flavor, work_dir, num_prompts=num_prompts, input_len=input_len,
                         output_len=output_len, device=device, model_dir=model_dir,
                         num_replicas=num_replicas, max_num_seqs=max_num_seqs, layout=layout,
-                        engine_alone=not no_engine)  # fmt: skip
+                        chunk_size=chunk_size, engine_alone=not no_engine)  # fmt: skip
     click.echo(json.dumps(row))
     click.echo(format_job_bench(row))
     _append_jsonl(json_path, [row])
