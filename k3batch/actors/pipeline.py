@@ -54,6 +54,11 @@ class PipelineRunner:
     def wait(self, refs):
         return self._get(refs)[-1]  # every stage's ref: a failing stage raises here
 
+    def ready(self, refs) -> bool:
+        """Whether every stage has finished this batch (`wait` would not block)."""
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(done) == len(refs)
+
     def export_request(self, block: int, pages: list[int], num_tokens: int) -> list:
         """Every stage sends its layers of one request to the decode ranks (over the replica's
         group); per decode rank, the refs of its manifests from every stage, in stage order."""

@@ -7,6 +7,13 @@ all work) and decodes one token for every request whose prompt is done: one afte
 on a single runner, at the same time when a separate decode runner (a TP/DCP group) takes
 requests by handoff. It returns the requests that finished.
 
+Disaggregated, the two sides run at their own pace: prefill batches stay in flight across
+steps (up to `runner.depth`), and a step waits for a prefill batch only when there is no decode
+step to run, so decode steps are not held to the cadence of prefill chunks (one 8,192-token
+chunk takes about ten decode steps' time). Each side has its own `max_num_seqs`: requests not
+yet handed off count against admission, decoding ones against the handoff, so the prefill GPU
+takes the next prompts while the decode GPU finishes the last ones.
+
 Memory: each runner's arenas form one account (`cache.manager.CacheManager`; a separate one
 for the decode group). A request is admitted when its KDA block and its prompt's pages fit;
 a prefix hit starts it from a shared KDA checkpoint and shared pages. A decode step first
@@ -84,6 +91,7 @@ class Engine:
         # prompt prefixes that a running prefill will checkpoint -> that request (see _admit)
         self._pending: dict[tuple[int, ...], str] = {}
         self._errors: list[GenerationResult] = []
+        self._prefilling: deque = deque()  # disaggregated: prefill batches in flight, oldest first
 
     def _account(self, runner, prefix_cache: bool) -> CacheManager:
         """The memory account of a runner's arenas; a runner that pads decode batches gets
@@ -190,15 +198,19 @@ class Engine:
                 self._finish_prefills(self._submit_prefills(prefill))
             elif decoding := self._make_room(self.pool):
                 self._finish_decode(*self._submit_decode(decoding, self.runner, self.pool))
-        else:  # disaggregated: a prefill and a decode batch in flight at the same time
-            prefill = [r for r in self.running if r.phase is Phase.PREFILL]
-            prefills = self._submit_prefills(prefill)
-            dec = None
+        else:  # disaggregated: prefill batches in flight across steps, a decode step each step
+            while len(self._prefilling) < self.runner.depth:
+                plan = self._plan_prefill([r for r in self.running if r.phase is Phase.PREFILL])
+                if not plan:
+                    break
+                self._prefilling.append(self._submit_prefill(plan))
             if decoding := self._make_room(self.decode_pool):
-                dec = self._submit_decode(decoding, self.decode_runner, self.decode_pool)
-            self._finish_prefills(prefills)
-            if dec:
-                self._finish_decode(*dec)
+                self._finish_decode(*self._submit_decode(decoding, self.decode_runner,
+                                                         self.decode_pool))  # fmt: skip
+            elif self._prefilling:  # nothing else to wait for
+                self._finish_prefills([self._prefilling.popleft()])
+            while self._prefilling and self.runner.ready(self._prefilling[0][3]):
+                self._finish_prefills([self._prefilling.popleft()])
             self._handoff()
         done, self._errors = self._errors, []
         for req in [r for r in self.running if r.phase is Phase.FINISHED]:
@@ -220,7 +232,7 @@ class Engine:
         waits for that checkpoint (the choices of one context, admitted together, would all
         miss otherwise); admission stays in order."""
         ps = self.config.page_size
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and self._num_admitted() < self.config.max_num_seqs:
             req = self.waiting[0]
             ids = req.prompt_token_ids
             points = req.cuts
@@ -242,6 +254,13 @@ class Engine:
                 for p in req.cuts:
                     if p > hit and p % ps == 0:
                         self._pending.setdefault(tuple(ids[:p]), req.request_id)
+
+    def _num_admitted(self) -> int:
+        """Requests that count against admission: all running ones on one runner; those not
+        yet handed off with a decode group (decoding ones count against the handoff)."""
+        if self.decode_runner is None:
+            return len(self.running)
+        return sum(r.phase is not Phase.DECODE for r in self.running)
 
     def _make_room(self, pool: CacheManager) -> list[Request]:
         """The decoding requests of `pool`, each with a page for its next token; when pages
@@ -275,8 +294,12 @@ class Engine:
         self._fail(req, reason)
 
     def _handoff(self) -> None:
-        """Move prefilled requests to the decode group, in order, while they fit there."""
+        """Move prefilled requests to the decode group, in order, while they fit there (its
+        arena, and max_num_seqs decoding requests: its batch bound)."""
+        decoding = sum(r.phase is Phase.DECODE for r in self.running)
         for req in [r for r in self.running if r.phase is Phase.HANDOFF]:
+            if decoding >= self.config.max_num_seqs:
+                return
             rid = req.request_id
             if self.decode_pool.admit(rid, [], req.num_computed + 1) is None:
                 if self.decode_pool.num_requests > 1:
@@ -294,6 +317,7 @@ class Engine:
             )
             self.pool.release(rid)
             req.phase = Phase.DECODE
+            decoding += 1
 
     # ---- prefill --------------------------------------------------------------------------
     def _submit_prefills(self, reqs: list[Request]) -> list:
