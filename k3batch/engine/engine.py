@@ -8,11 +8,8 @@ on a single runner, at the same time when a separate decode runner (a TP/DCP gro
 requests by handoff. It returns the requests that finished.
 
 Disaggregated, the two sides run at their own pace: prefill batches stay in flight across
-steps (up to `runner.depth`), and a step waits for a prefill batch only when there is no decode
-step to run, so decode steps are not held to the cadence of prefill chunks (one 8,192-token
-chunk takes about ten decode steps' time). Each side has its own `max_num_seqs`: requests not
-yet handed off count against admission, decoding ones against the handoff, so the prefill GPU
-takes the next prompts while the decode GPU finishes the last ones.
+steps, a step waits for one only when it has no decode step to run (an 8,192-token chunk takes
+about ten decode steps' time), and each side has its own `max_num_seqs` (`_num_admitted`).
 
 Memory: each runner's arenas form one account (`cache.manager.CacheManager`; a separate one
 for the decode group). A request is admitted when its KDA block and its prompt's pages fit;
