@@ -345,3 +345,15 @@ def test_fused_experts_deterministic_and_sync_free_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(first, again)
+
+
+def test_decode_tiles_up_to_eight_slots_per_expert():
+    """The routed experts take the Triton grouped GEMM's 16-row decode tiles while the batch
+    has at most 8 slots per expert on average (a 256-token decode step of 112 experts top-2 has
+    4.6), prefill tiles and torch's grouped GEMM beyond."""
+    from k3kernels.moe.grouped_gemm_triton import DEFAULT_CONFIGS, launch_config, regime
+
+    E = 112
+    assert regime(8 * E, E) == "decode" and regime(8 * E + 1, E) == "prefill"
+    assert launch_config(512, E) == DEFAULT_CONFIGS["decode"]  # CPU: no tuned table
+    assert launch_config(16384, E)["block_m"] == DEFAULT_CONFIGS["prefill"]["block_m"]
