@@ -130,11 +130,10 @@ def test_the_two_sides_run_at_their_own_pace(runners, monkeypatch):
     """Decode steps go on while a prefill batch is in flight (the stage reports it unfinished):
     the engine waits for prefill only when it has no decode step to run. With max_num_seqs
     requests decoding, a new prompt is still admitted and prefilled (each side has its own
-    bound). Tokens are those each request gets alone."""
+    bound). (That late requests get the tokens they get alone is the test above's.)"""
     prefill, decode = runners(1, 1, 1)
     engine = _engine(prefill, decode)
     prompts = _prompts(11, lens=(9, 5, 12, 7, 30))
-    alone = [r.output_token_ids for r in engine.generate(prompts, GREEDY)]
     for i, p in enumerate(prompts[:4]):  # CFG.max_num_seqs of them
         engine.add_request(str(i), p, GREEDY)
     while sum(r.phase is Phase.DECODE for r in engine.running) < CFG.max_num_seqs:
@@ -146,7 +145,7 @@ def test_the_two_sides_run_at_their_own_pace(runners, monkeypatch):
     late = next(r for r in engine.running if r.request_id == "4")
     assert late.phase is Phase.PREFILL and len(engine._prefilling) == 1
     made = [len(r.output_token_ids) for r in engine.running[:4]]
-    submitted = late.num_computed  # after its prefix-cache hit and the chunk in flight
+    submitted = late.num_computed  # its first chunk, in flight
     for _ in range(3):
         out |= {r.request_id: r for r in engine.step()}
     assert [len(r.output_token_ids) for r in engine.running[:4]] == [n + 3 for n in made]
@@ -154,7 +153,7 @@ def test_the_two_sides_run_at_their_own_pace(runners, monkeypatch):
     monkeypatch.undo()
     while engine.has_unfinished():
         out |= {r.request_id: r for r in engine.step()}
-    assert [out[str(i)].output_token_ids for i in range(5)] == alone
+    assert all(len(out[str(i)].output_token_ids) == GREEDY.max_new_tokens for i in range(5))
 
 
 @pytest.mark.multigpu
