@@ -46,7 +46,7 @@ def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
     from k3batch.actors.build import build_engine, default_device
     from k3batch.driver.job import run_job
     from k3batch.jobspec import InputSpec, JobSpec, OutputSpec, ReplicaSpec
-    from k3batch.model import get_flavor
+    from k3batch.model.config import K3Config
     from k3batch.model.weights import init_checkpoint
 
     work = Path(work_dir)
@@ -59,7 +59,7 @@ def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
                 import torch
 
                 torch.cuda.empty_cache()
-    vocab = get_flavor(flavor).vocab_size
+    vocab = K3Config.from_hf(model_dir).vocab_size
     data = work / f"prompts-{num_prompts}x{input_len}.parquet"
     prompts = write_random_prompts(data, num_prompts, input_len, vocab, seed)
     sampling = SamplingParams(temperature=0, max_new_tokens=output_len, ignore_eos=True)

@@ -16,9 +16,10 @@ def test_random_prompts_have_fixed_lengths_in_the_vocabulary(tmp_path):
     assert all(len(p) == 7 and all(1 <= t < 50 for t in p) for p in prompts)
 
 
-def test_job_bench_against_the_engine(cluster, tmp_path):
-    row = run_job_bench("k3-debug", tmp_path, num_prompts=4, input_len=8, output_len=3,
-                        device="cpu", max_num_seqs=4, chunk_size=4)  # fmt: skip
+def test_job_bench_against_the_engine(cluster, mini_model_dir, tmp_path):
+    row = run_job_bench("ignored", tmp_path, num_prompts=4, input_len=8, output_len=3,
+                        device="cpu", model_dir=mini_model_dir, max_num_seqs=4,
+                        chunk_size=4)  # fmt: skip
     json.dumps(row)  # a JSON line
     assert row["output_tokens"] == 4 * 3 and row["chunk_size"] == 4
     assert row["job_rows_per_s"] > 0 and row["job_output_tokens_per_s"] > 0
