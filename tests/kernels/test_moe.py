@@ -266,9 +266,8 @@ def _interpreted_checks():
         _check_experts(TINY[name], torch.float32, "cpu", use_triton=True)
     _check_grouped_mm_triton("cpu", block_n=16, block_k=16)
     _check_grouped_mm_triton("cpu", block_m=16, block_n=16, block_k=16)  # the decode tiles
-    for K in (64, 48):
-        for bm in (16, 64):
-            _check_grouped_mm_mxfp4("cpu", K=K, block_m=bm, block_n=16, block_k=32)
+    for K, bm in ((48, 16), (64, 64)):  # a partial scale group at decode tiles; prefill tiles
+        _check_grouped_mm_mxfp4("cpu", K=K, block_m=bm, block_n=16, block_k=32)
     # the swapped form, with a partial scale group and groups longer than its 16 rows
     _check_grouped_mm_mxfp4("cpu", K=48, block_m=16, block_n=16, block_k=32, swap_ab=True)
     for name in ("T33-D32-I24-E8-k2", "T33-D32-I24-E8-k2-ep4of8"):
