@@ -184,7 +184,7 @@ def save_best(rows: list[dict], expert_dtype: str, num_slots: int, num_experts: 
     cfg = json.loads(best["impl"].split(" ", 1)[1])
     path = G.TUNED_DIR / (torch.cuda.get_device_name().replace(" ", "_") + ".json")
     table = json.loads(path.read_text()) if path.exists() else {}
-    table.setdefault(expert_dtype, {})[G.regime(num_slots, num_experts)] = cfg
+    table.setdefault(expert_dtype, {})[regime(num_slots, num_experts)] = cfg
     path.write_text(json.dumps(table, indent=2) + "\n")
     G.tuned_configs.cache_clear()
     return cfg

@@ -79,16 +79,18 @@ class PagedCache:
 
     def bind(self, batch) -> None:
         """Put what the kernels read on the device, unless already bound (the CUDA-graph
-        runner binds static buffers): batch.slots from slot_ids; for decode, batch.positions
-        (cached_lens) and max_len; batch.page_rows [B, max pages] (padded) from page_tables
+        runner binds static buffers): batch.slots from slot_ids; batch.positions (cached_lens;
+        KDA prefill reads a nonzero one as "continue from the cached state"); for decode,
+        max_len; batch.page_rows [B, max pages] (padded) from page_tables
         and batch.mla_pages, this cache's MLA page views (the model reads pages only there).
         Checks here, on the host, that every decoding sequence has a page for its token."""
         dev = self.arena.device
         if batch.slots is None and batch.slot_ids is not None:
             batch.slots = torch.tensor(batch.slot_ids, dtype=torch.long).to(dev, non_blocking=True)
-        if batch.is_decode and batch.positions is None:
+        if batch.positions is None:
             batch.positions = torch.tensor(batch.cached_lens).to(dev, non_blocking=True)
-            batch.max_len = max(batch.cached_lens) + 1
+            if batch.is_decode:
+                batch.max_len = max(batch.cached_lens) + 1
         if batch.page_tables is None or not self.mla_latent or batch.page_rows is not None:
             return
         batch.mla_pages = self.mla_latent

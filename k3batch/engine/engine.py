@@ -34,9 +34,9 @@ import torch
 
 from k3batch.cache.manager import CacheManager
 from k3batch.engine.config import EngineConfig
-from k3batch.engine.request import GenerationResult, Phase, Request, SamplingParams, is_int
+from k3batch.engine.request import GenerationResult, Phase, Request, SamplingParams
 from k3batch.engine.runner import LocalRunner, sized
-from k3batch.engine.sampler import draw_seed, sample_batch
+from k3batch.engine.sampler import add_prompt_logprobs, draw_seed, sample_batch
 from k3batch.model.forward_batch import ForwardBatch, to_device
 
 log = logging.getLogger(__name__)
@@ -117,36 +117,17 @@ class Engine:
         sampling = SamplingParams() if sampling is None else sampling
         ids = list(prompt_token_ids) if isinstance(prompt_token_ids, list | tuple) else None
         req = Request(request_id, ids or [], sampling)
-        reason = self._check(req) if ids is not None else "prompt token ids must be a list"
+        reason = (
+            req.problem(self.vocab_size, self.config.max_seq_len, self.stop_check is not None)
+            if ids is not None
+            else "prompt token ids must be a list"
+        )
         if reason:
             self._fail(req, reason)
             return
         req.cuts = self._cuts(len(req.prompt_token_ids), sampling.prompt_logprobs_start)
         self._seeds[request_id] = draw_seed() if sampling.seed is None else sampling.seed
         self.waiting.append(req)
-
-    def _check(self, req: Request) -> str | None:
-        if not isinstance(req.sampling, SamplingParams):
-            return f"sampling must be SamplingParams, got {type(req.sampling).__name__}"
-        try:
-            req.sampling.validate()
-        except ValueError as e:
-            return str(e)
-        if req.sampling.stop and self.stop_check is None:
-            return "stop strings need an engine with a stop_check (a tokenizer)"
-        ids = req.prompt_token_ids
-        if not ids:
-            return "empty prompt"
-        bad = [t for t in ids if not is_int(t)]
-        if bad:
-            return f"token id {bad[0]!r} is not an integer"
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            return f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
-        if len(ids) >= self.config.max_seq_len:
-            limit = self.config.max_seq_len
-            return f"prompt of {len(ids)} tokens leaves no room in max_seq_len = {limit}"
-        return None
 
     def _cuts(self, prompt_len: int, score_start: int = 0) -> tuple[int, ...]:
         """Chunk ends: multiples of chunk_size and, with the prefix cache, the last page
@@ -192,15 +173,13 @@ class Engine:
         if self.decode_runner is None:  # one set of devices: prefill first, then decode
             prefill = [r for r in self.running if r.phase is Phase.PREFILL]
             if prefill:
-                self._finish_prefills(self._submit_prefills(prefill))
+                self._finish_prefills(self._submit_prefills(prefill, self.runner.depth))
             elif decoding := self._make_room(self.pool):
                 self._finish_decode(*self._submit_decode(decoding, self.runner, self.pool))
         else:  # disaggregated: prefill batches in flight across steps, a decode step each step
-            while len(self._prefilling) < self.runner.depth:
-                plan = self._plan_prefill([r for r in self.running if r.phase is Phase.PREFILL])
-                if not plan:
-                    break
-                self._prefilling.append(self._submit_prefill(plan))
+            prefill = [r for r in self.running if r.phase is Phase.PREFILL]
+            free = self.runner.depth - len(self._prefilling)
+            self._prefilling.extend(self._submit_prefills(prefill, free))
             if decoding := self._make_room(self.decode_pool):
                 self._finish_decode(*self._submit_decode(decoding, self.decode_runner,
                                                          self.decode_pool))  # fmt: skip
@@ -317,12 +296,12 @@ class Engine:
             decoding += 1
 
     # ---- prefill --------------------------------------------------------------------------
-    def _submit_prefills(self, reqs: list[Request]) -> list:
-        """Up to `runner.depth` prefill batches submitted back to back (a pipeline's stages
-        all work). A batch's composition depends only on prompt progress, never on results,
-        so one device and a pipeline run exactly the same batches."""
+    def _submit_prefills(self, reqs: list[Request], max_batches: int) -> list:
+        """Up to max_batches prefill batches submitted back to back (`runner.depth` keeps a
+        pipeline's stages all busy). A batch's composition depends only on prompt progress,
+        never on results, so one device and a pipeline run exactly the same batches."""
         submitted = []
-        for _ in range(self.runner.depth):
+        for _ in range(max_batches):
             plan = self._plan_prefill(reqs)
             if not plan:
                 break
@@ -374,7 +353,7 @@ class Engine:
             with self._failing_alone(r):
                 if want_all and r.sampling.prompt_logprobs:
                     rows = logits[cu[j] : cu[j + 1]]
-                    self._add_prompt_logprobs(r, rows, batch.cached_lens[j], n)
+                    add_prompt_logprobs(r, rows, batch.cached_lens[j], n)
                 if batch.cached_lens[j] + n == len(r.prompt_token_ids):
                     r.phase = Phase.DECODE if self.decode_runner is None else Phase.HANDOFF
                     done.append(r)
@@ -394,25 +373,6 @@ class Engine:
     def _fail_alone(self, req: Request, e: Exception) -> None:
         log.exception("request %s failed; the others go on", req.request_id)
         self._abort(req, f"{type(e).__name__}: {e}")
-
-    def _add_prompt_logprobs(self, req: Request, rows_TV, start: int, n: int) -> None:
-        """rows_TV: logits at prompt positions start .. start+n-1; each row scores the next
-        token. Keeps the positions from prompt_logprobs_start on (position 0: None)."""
-        first = req.sampling.prompt_logprobs_start
-        if start == 0 and first == 0:
-            req.prompt_logprobs.append(None)
-            req.prompt_greedy.append(None)
-        lo = max(start, first - 1)  # the first row whose target is scored
-        targets = req.prompt_token_ids[lo + 1 : start + n + 1]
-        if not targets:
-            return
-        rows = rows_TV[lo - start : lo - start + len(targets)].float()
-        lp = torch.log_softmax(rows, dim=-1)
-        tgt = torch.tensor(targets, device=lp.device)
-        both = torch.stack([lp.gather(-1, tgt[:, None])[:, 0].double(),
-                            (rows.argmax(-1) == tgt).double()]).tolist()  # fmt: skip
-        req.prompt_logprobs.extend(both[0])
-        req.prompt_greedy.extend(bool(g) for g in both[1])
 
     # ---- decode ---------------------------------------------------------------------------
     def _submit_decode(self, reqs: list[Request], runner, pool: CacheManager):

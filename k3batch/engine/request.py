@@ -101,6 +101,31 @@ class Request:
     prompt_greedy: list[bool | None] = field(default_factory=list)  # token == argmax of its row
     finish_reason: str | None = None
 
+    def problem(self, vocab_size: int, max_seq_len: int, can_stop: bool) -> str | None:
+        """Why this request can never run (None if it can): bad sampling values, stop strings
+        without a tokenizer (can_stop), an empty prompt, ids that are not integers of the
+        vocabulary, a prompt that leaves no room in max_seq_len."""
+        if not isinstance(self.sampling, SamplingParams):
+            return f"sampling must be SamplingParams, got {type(self.sampling).__name__}"
+        try:
+            self.sampling.validate()
+        except ValueError as e:
+            return str(e)
+        if self.sampling.stop and not can_stop:
+            return "stop strings need an engine with a stop_check (a tokenizer)"
+        ids = self.prompt_token_ids
+        if not ids:
+            return "empty prompt"
+        bad = [t for t in ids if not is_int(t)]
+        if bad:
+            return f"token id {bad[0]!r} is not an integer"
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            return f"token id {bad[0]} outside the vocabulary [0, {vocab_size})"
+        if len(ids) >= max_seq_len:
+            return f"prompt of {len(ids)} tokens leaves no room in max_seq_len = {max_seq_len}"
+        return None
+
     @property
     def last_token_id(self) -> int:
         """The token a decode step feeds (read per request per step: no list is built)."""

@@ -15,7 +15,7 @@ import random
 
 import torch
 
-from k3batch.engine.request import SamplingParams
+from k3batch.engine.request import Request, SamplingParams
 
 _M64 = (1 << 64) - 1
 
@@ -84,3 +84,24 @@ def sample_batch(
     lp = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
     both = torch.stack([tokens.double(), lp.double()]).tolist()  # one copy to the host
     return [int(t) for t in both[0]], both[1]
+
+
+def add_prompt_logprobs(req: Request, rows_TV, start: int, n: int) -> None:
+    """Append to req the log-probs (and greedy flags) of its prompt tokens that rows_TV score:
+    logits at prompt positions start .. start+n-1, each row scoring the next token. Keeps the
+    positions from prompt_logprobs_start on (position 0: None)."""
+    first = req.sampling.prompt_logprobs_start
+    if start == 0 and first == 0:
+        req.prompt_logprobs.append(None)
+        req.prompt_greedy.append(None)
+    lo = max(start, first - 1)  # the first row whose target is scored
+    targets = req.prompt_token_ids[lo + 1 : start + n + 1]
+    if not targets:
+        return
+    rows = rows_TV[lo - start : lo - start + len(targets)].float()
+    lp = torch.log_softmax(rows, dim=-1)
+    tgt = torch.tensor(targets, device=lp.device)
+    both = torch.stack([lp.gather(-1, tgt[:, None])[:, 0].double(),
+                        (rows.argmax(-1) == tgt).double()]).tolist()  # fmt: skip
+    req.prompt_logprobs.extend(both[0])
+    req.prompt_greedy.extend(bool(g) for g in both[1])

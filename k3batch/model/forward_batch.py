@@ -35,7 +35,7 @@ class ForwardBatch:
     # set by PagedCache.bind: MLA layer_idx -> its page view [pages, page_size, kv_lora + rope]
     mla_pages: dict[int, torch.Tensor] | None = None
     slots: torch.Tensor | None = None  # set by bind: slot_ids on the device [B] int64
-    positions: torch.Tensor | None = None  # set by bind for decode: cached_lens on the device
+    positions: torch.Tensor | None = None  # set by bind: cached_lens on the device
     max_len: int = 0  # set by bind for decode: a host bound on cached_lens + 1 (split sizing)
 
     def __post_init__(self):

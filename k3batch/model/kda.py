@@ -7,7 +7,6 @@ Shape legend: T packed tokens, N sequences, D hidden, H heads, K = V head dim, C
 import torch
 from torch import nn
 
-from k3batch.model.forward_batch import to_device
 from k3batch.model.layers import RMSNorm, linear
 from k3batch.ops import kda as ops
 
@@ -108,7 +107,7 @@ class KimiDeltaAttention(nn.Module):
             state0 = x_TD.new_zeros(N, H, K, K, dtype=torch.float32)
             o, _ = ops.kda_core(q, k, v, f, b, *params, initial_state=state0, cu_seqlens=cu, **gate)
             return o
-        warm = to_device([int(c > 0) for c in batch.cached_lens], x_TD.device)
+        warm = batch.positions  # nonzero: the sequence continues from its cached state
         slots, pool = batch.slots, cache.kda_conv[self.layer_idx]
         q, k, v = (
             ops.short_conv_prefill_(
