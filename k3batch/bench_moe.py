@@ -155,8 +155,7 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
         gemm = gemm_mxfp4 if expert_dtype == "mxfp4" else partial(gemm_only, impl="triton")
         name = "gemm-mxfp4" if expert_dtype == "mxfp4" else "gemm-triton"
         impls += [(f"{name} {json.dumps(cfg)}", gemm(cfg=cfg))
-                  for cfg in sweep_configs(regime(num_tokens * k, config.num_experts) == "decode",
-                                           expert_dtype)]  # fmt: skip
+                  for cfg in sweep_configs(regime(num_tokens * k, config.num_experts) == "decode")]
     for impl, fn in impls:
         try:
             ms = _time_ms(fn, repeats)
@@ -190,20 +189,14 @@ def save_best(rows: list[dict], expert_dtype: str, num_slots: int, num_experts: 
     return cfg
 
 
-def sweep_configs(decode: bool, weights: str = "bf16") -> list[dict]:
-    """Launch configs of the Triton grouped GEMMs that `--sweep` times; for MXFP4 also the
-    swapped form (`w4a16` module doc), its weight tiles at least one warp group's 64 rows."""
+def sweep_configs(decode: bool) -> list[dict]:
+    """Launch configs of the Triton grouped GEMMs (bf16 and W4A16) that `--sweep` times."""
     keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
     if decode:
         grid = itertools.product((16,), (32, 64, 128), (64, 128, 256), (2, 4), (2, 3, 4))
-        swapped = itertools.product((16,), (64, 128), (64, 128, 256), (4, 8), (2, 3, 4))
     else:
         grid = itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
-        swapped = itertools.product((64, 128), (128,), (64, 128), (4, 8), (3, 4))
-    configs = [dict(zip(keys, values)) for values in grid]
-    if weights == "mxfp4":
-        configs += [dict(zip(keys, values), swap_ab=True) for values in swapped]
-    return configs
+    return [dict(zip(keys, values)) for values in grid]
 
 
 def _loop_experts(x_TD, w13, w2, ids_Tk, weights_Tk, *, act, beta, linear_beta):

@@ -13,6 +13,7 @@ import math
 import torch
 from torch import nn
 
+from k3batch.model.moe import note_packed_scales_
 from k3kernels.moe.mxfp4 import quantize_mxfp4
 
 _OUT_PROJ = ("o_proj", "down_proj", "w2", "routed_expert_up_proj")
@@ -57,7 +58,7 @@ def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
             std = 1 / math.sqrt(shape[-1]) * (0.5 if leaf in _OUT_PROJ else 1.0)
             val = normal(shape, std)
         p.copy_(val.to(p.dtype))
-    return model
+    return note_packed_scales_(model)
 
 
 def _init_packed_(packed, scale, leaf: str, normal) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 
 from k3batch.model.layers import GatedMLP, RMSNorm, linear
 from k3kernels.moe.experts import fused_experts
-from k3kernels.moe.mxfp4 import GROUP_SIZE, MXFP4Weight
+from k3kernels.moe.mxfp4 import GROUP_SIZE, MXFP4Weight, has_small_scales
 from k3kernels.moe.reference import route_reference
 
 EXPERT_DTYPES = ("bf16", "mxfp4")
@@ -72,6 +72,7 @@ class Experts(nn.Module):
         )
         self.first_expert = 0
         self.packed = expert_dtype == "mxfp4"
+        self.small_scales = False  # `note_packed_scales_` sets it once the weights are in
         if not self.packed:
             self.w13 = nn.Parameter(torch.empty(E, 2 * I, in_size, dtype=dtype, device=device))
             self.w2 = nn.Parameter(torch.empty(E, in_size, I, dtype=dtype, device=device))
@@ -96,8 +97,8 @@ class Experts(nn.Module):
     def weights(self):
         """(w13, w2) as the kernels take them: tensors, or `MXFP4Weight`s when packed."""
         if self.packed:
-            return (MXFP4Weight(self.w13_packed, self.w13_scale),
-                    MXFP4Weight(self.w2_packed, self.w2_scale))  # fmt: skip
+            return (MXFP4Weight(self.w13_packed, self.w13_scale, self.small_scales),
+                    MXFP4Weight(self.w2_packed, self.w2_scale, self.small_scales))  # fmt: skip
         return self.w13, self.w2
 
     def forward(self, x_TD, ids_Tk, weights_Tk):
@@ -108,6 +109,16 @@ class Experts(nn.Module):
             x_TD, w13, w2, ids_Tk, weights_Tk, act=self.act, beta=self.beta,
             linear_beta=self.linear_beta, first_expert=self.first_expert,
         )  # fmt: skip
+
+
+def note_packed_scales_(model: nn.Module) -> nn.Module:
+    """Record on each packed `Experts` of `model` whether all its scales are small
+    (`MXFP4Weight.small_scales`: the W4A16 kernel's fast path). Reads the scales once (a host
+    sync per layer): every path that writes expert weights calls it when done."""
+    for m in model.modules():
+        if isinstance(m, Experts) and m.packed:
+            m.small_scales = has_small_scales(m.w13_scale, m.w2_scale)
+    return model
 
 
 class SparseMoE(nn.Module):

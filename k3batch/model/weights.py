@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from k3batch.model.config import K3Config, get_flavor
 from k3batch.model.init import init_random_
 from k3batch.model.k3 import K3Model
+from k3batch.model.moe import note_packed_scales_
 from k3kernels.moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4_stacked, round_to_mxfp4_
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -283,7 +284,7 @@ def load_weights_(model: K3Model, plan: LoadPlan) -> K3Model:
                 else:
                     params[entry.param].copy_(t)
     check_halves_paired(halves)
-    return model
+    return note_packed_scales_(model)
 
 
 def _check_shape(raw: str, entry: Entry, found: tuple, config: K3Config) -> None:

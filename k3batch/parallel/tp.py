@@ -18,6 +18,7 @@ from safetensors import safe_open
 from k3batch.cache.layout import CacheLayout
 from k3batch.model.config import K3Config
 from k3batch.model.k3 import K3Model
+from k3batch.model.moe import note_packed_scales_
 from k3batch.model.layers import GatedMLP
 from k3batch.model.loader import allocate_
 from k3batch.model.weights import check_halves_paired, load_expert_, plan_load
@@ -185,7 +186,7 @@ def load_rank_weights_(rank_model: K3Model, checkpoint_dir, layout: ParallelLayo
     missing = set(params) - filled
     if missing:
         raise ValueError(f"rank {tp_rank}: parameters not loaded: {sorted(missing)[:10]}")
-    return rank_model
+    return note_packed_scales_(rank_model)
 
 
 def _copy_(dst: torch.Tensor, src: torch.Tensor, raw: str) -> None:

@@ -24,12 +24,20 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes, indexed by bits 
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
+# Scale bytes up to this (scales up to 2) let the W4A16 kernel fold a constant into the scale
+# (`w4a16._e2m1_pairs_bf16`): true of any trained weights (|w| < 12 per group).
+MAX_SMALL_SCALE = 128
+
+
 class MXFP4Weight(NamedTuple):
     """Stacked MXFP4 weights as the checkpoint stores them, one row per output: packed uint8
-    [E, N, K/2] and scale uint8 [E, N, ceil(K/32)]; `shape` is the dequantized [E, N, K]."""
+    [E, N, K/2] and scale uint8 [E, N, ceil(K/32)]; `shape` is the dequantized [E, N, K].
+    small_scales: every scale byte is <= MAX_SMALL_SCALE (`has_small_scales`, checked once when
+    the weights are loaded); False is always correct, True lets the kernel take its fast path."""
 
     packed: torch.Tensor
     scale: torch.Tensor
+    small_scales: bool = False
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -38,6 +46,11 @@ class MXFP4Weight(NamedTuple):
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return dequantize_mxfp4(self.packed, self.scale, dtype=dtype)
+
+
+def has_small_scales(*scales: torch.Tensor) -> bool:
+    """Whether every scale byte is <= MAX_SMALL_SCALE (a host sync: call it at load)."""
+    return all(bool((s <= MAX_SMALL_SCALE).all()) for s in scales)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
@@ -131,7 +144,8 @@ def quantize_mxfp4_stacked(w_EOI: torch.Tensor, max_elems: int = 2**26) -> MXFP4
     time so that the fp32 temporaries stay near max_elems elements."""
     step = max(1, max_elems // w_EOI[0].numel())
     parts = [quantize_mxfp4(chunk) for chunk in w_EOI.detach().split(step)]
-    return MXFP4Weight(torch.cat([p for p, _ in parts]), torch.cat([s for _, s in parts]))
+    scale = torch.cat([s for _, s in parts])
+    return MXFP4Weight(torch.cat([p for p, _ in parts]), scale, has_small_scales(scale))
 
 
 @torch.no_grad()
