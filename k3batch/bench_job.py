@@ -5,8 +5,9 @@ checkpoints store them) unless one is given, a Parquet file of N prompts of rand
 (the `random` dataset of vLLM's and SGLang's offline benchmarks: fixed input and output
 lengths, EOS ignored), runs `run_job` on it, then the same prompts through one engine in this
 process (`Engine.generate`, after the job has released its devices). Prints rows/s, input and
-output tokens/s of the job (over its wall time, and over the time after start-up) and its
-output tokens/s as a fraction of the engine's.
+output tokens/s of the job (over its wall time, and from start-up's end to the last row
+written: `stage_s["run"]`, which leaves out the shutdown) and its output tokens/s as a fraction
+of the engine's.
 """
 
 import time
@@ -87,7 +88,7 @@ def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
         "job_input_tokens_per_s": round(report.prompt_tokens / wall, 1),
         "job_output_tokens_per_s": round(report.output_tokens / wall, 1),
         "job_output_tokens_per_s_after_startup": round(
-            report.output_tokens / max(wall - startup, 1e-9), 1),
+            report.output_tokens / max(report.stage_s["run"], 1e-9), 1),
         "output_tokens": report.output_tokens, "layout": layout or {},
     }  # fmt: skip
     if report.decode_groups:

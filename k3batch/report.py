@@ -40,7 +40,8 @@ class JobReport:
     sizing: list[dict] = field(default_factory=list)  # per replica: `Engine.sizing`
     stage_s: dict[str, float] = field(
         default_factory=lambda: {
-            "startup": 0.0,
+            "startup": 0.0,  # until the first replica is up (units are read meanwhile)
+            "run": 0.0,  # from then until the last row is written
             "read": 0.0,
             "tokenize": 0.0,
             "generate": 0.0,

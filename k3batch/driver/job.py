@@ -111,8 +111,6 @@ def _run(spec, sink, lease, report, ctx, progress_stream, replica_cls, replica_k
     try:
         pool = ReplicaPool(spec, r.resolved_device, replica_cls=replica_cls, replica_kw=replica_kw,
                            t0=t_start)  # fmt: skip
-        pool.start()
-        report.stage_s["startup"] = time.monotonic() - t_start
         intake = Intake(spec, config.vocab_size, ctx["units"], ctx["ids"], report)
         window = spec.inflight_rows
         dispatch = Dispatcher(pool.actors, pool.health, window=window, max_retries=r.max_retries,
@@ -120,9 +118,14 @@ def _run(spec, sink, lease, report, ctx, progress_stream, replica_cls, replica_k
         commit = Committer(spec, sink, intake.add_id, report, lease)
         progress = Progress(report.rows_total, report.rows_skipped_resumed, progress_stream)
         max_open = 1 + -(-r.max_replicas * window // ctx["batch_rows"])
+        loop = Loop(intake, dispatch, pool, commit, max_open=max_open, progress=progress,
+                    report=report)  # fmt: skip
+        loop.fill()  # the first units read and tokenized while the replicas start
+        pool.start()
+        report.stage_s["startup"] = time.monotonic() - t_start
         try:
-            Loop(intake, dispatch, pool, commit, max_open=max_open, progress=progress,
-                 report=report).run()  # fmt: skip
+            loop.run()
+            report.stage_s["run"] = time.monotonic() - t_start - report.stage_s["startup"]
         finally:
             for i, errors in intake.errors.items():
                 ctx["reasons"].setdefault(i, []).extend(errors)

@@ -27,7 +27,7 @@ class Loop:
 
     def run(self) -> None:
         while True:
-            self._fill()
+            self.fill()
             self.dispatch.pump()
             self._finish(self.dispatch.take_done())
             if self.intake.exhausted and not self.open:
@@ -52,7 +52,8 @@ class Loop:
             self.progress.update(self._done_rows(), self.report.output_tokens)
         self.progress.update(self._done_rows(), self.report.output_tokens, final=True)
 
-    def _fill(self) -> None:
+    def fill(self) -> None:
+        """Open units (their tokenize tasks started) while fewer than `max_open` are open."""
         while not self.intake.exhausted and len(self.open) < self.max_open:
             state = self.intake.open_next()
             if state is not None:

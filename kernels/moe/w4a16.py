@@ -51,41 +51,37 @@ def _e2m1_times_scale(code, scale_bits):
 @triton.jit
 def _e2m1_pairs_bf16(q, scale):
     """bf16 values of the low and high nibbles of bytes q (uint8) times 2^-126 scale (scale:
-    bf16, one per byte), in PTX on packed bf16 pairs (sm_90): a byte pair is spread into the two
-    halves of a register (prmt); each nibble's sign and exponent-mantissa bits are shifted into
-    place as a bf16 bit pattern v whose value is code * 2^-126 (exact: small codes land on
-    subnormals, which bf16 arithmetic keeps), then v * scale. With scale = 2^126 * 2^(s - 127)
-    = 2^(s - 1), a normal bf16 number while s <= 128 (`MXFP4Weight.small_scales`), one multiply
-    gives the weight: 11 instructions per 4 values, against ~12 per value for the integer path
+    bf16, one per byte), in PTX on packed bf16 pairs (sm_90). A byte pair is spread into the
+    two halves of a register t (prmt). Per nibble: masked out of t, placed by one multiply
+    (low nibble: t * (2^6 + 2^12) puts its exponent-mantissa bits at 6..8 and its sign at 15 of
+    each half; high nibble: * (2^2 + 2^8); the two shifted copies do not overlap, so no carry),
+    masked again: a bf16 bit pattern whose value is code * 2^-126 (exact: small codes land on
+    subnormals, which bf16 arithmetic keeps); then one multiply by scale. With scale = 2^126 *
+    2^(s - 127) = 2^(s - 1), a normal bf16 number while s <= 128 (`MXFP4Weight.small_scales`),
+    that is the weight: 9 instructions per 4 values, against ~12 per value for the integer path
     of `_e2m1_times_scale`."""
     return tl.inline_asm_elementwise(
         asm="""
         {
-        .reg .b32 t, a, b, m_em, m_sign;
-        mov.b32 m_em, 0x01C001C0;
-        mov.b32 m_sign, 0x80008000;
+        .reg .b32 t, a, b;
         prmt.b32 t, $4, 0, 0x4140;
-        shl.b32 a, t, 6;
-        shl.b32 b, t, 12;
-        and.b32 b, b, m_sign;
-        lop3.b32 a, a, m_em, b, 0xEA;
+        and.b32 a, t, 0x000F000F;
+        mul.lo.u32 a, a, 0x1040;
+        and.b32 a, a, 0x81C081C0;
         mul.rn.bf16x2 $0, a, $5;
-        shl.b32 a, t, 2;
-        shl.b32 b, t, 8;
-        and.b32 b, b, m_sign;
-        lop3.b32 a, a, m_em, b, 0xEA;
-        mul.rn.bf16x2 $2, a, $5;
+        and.b32 b, t, 0x00F000F0;
+        mul.lo.u32 b, b, 0x0104;
+        and.b32 b, b, 0x81C081C0;
+        mul.rn.bf16x2 $2, b, $5;
         prmt.b32 t, $4, 0, 0x4342;
-        shl.b32 a, t, 6;
-        shl.b32 b, t, 12;
-        and.b32 b, b, m_sign;
-        lop3.b32 a, a, m_em, b, 0xEA;
+        and.b32 a, t, 0x000F000F;
+        mul.lo.u32 a, a, 0x1040;
+        and.b32 a, a, 0x81C081C0;
         mul.rn.bf16x2 $1, a, $6;
-        shl.b32 a, t, 2;
-        shl.b32 b, t, 8;
-        and.b32 b, b, m_sign;
-        lop3.b32 a, a, m_em, b, 0xEA;
-        mul.rn.bf16x2 $3, a, $6;
+        and.b32 b, t, 0x00F000F0;
+        mul.lo.u32 b, b, 0x0104;
+        and.b32 b, b, 0x81C081C0;
+        mul.rn.bf16x2 $3, b, $6;
         }
         """,
         constraints="=r,=r,=r,=r,r,r,r",
