@@ -10,14 +10,15 @@ Byte j of a packed row holds input 2j (low nibble) and 2j+1 (high nibble), so a 
 BLOCK_K inputs is BLOCK_K / 2 bytes: the program multiplies the even inputs of x by the low
 nibbles and the odd inputs by the high ones, two dots of BLOCK_K / 2, instead of interleaving.
 E2M1 code c: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0; built as fp32 bits.
-On the GPU the unpacking is bound by instruction issue, not by HBM: the program spends ~4.7
-instructions per weight (SASS of the decode tiles: ~3.5 to unpack and scale, the rest loads,
-MMAs and addresses). Hence: masks only when a tile overhangs K or N (`EVEN`), and one multiply
-per value pair when the scales are small (`SMALL_SCALES`, see `_e2m1_pairs_bf16`). One H200,
-k3-slice, 7 layers (`k3batch bench moe --expert-dtype mxfp4`): 64 tokens 6.4 -> 4.9 ms (1.87
-TB/s on the packed bytes, 44% of the copy bandwidth); 8,192 tokens 38.7 -> 29.3 ms (70% of the
-bf16 grouped GEMM's throughput). Computing out^T = w x^T instead (the unpacked weights as the
-MMA's register operand) measured slower at both shapes and was dropped.
+On the GPU the unpacking is bound by instruction issue, not by HBM: at the decode tiles the
+loop spends ~3.6 instructions per weight (SASS: 2.25 to unpack and scale, ~0.25 to pack the
+scales into bf16 pairs, the rest loads, MMAs and addresses). Hence: masks only when a tile
+overhangs K or N (`EVEN`), one multiply per value pair when the scales are small
+(`SMALL_SCALES`), and the placement by multiply of `_e2m1_pairs_bf16`. One H200, k3-slice, 7
+layers (`k3batch bench moe --expert-dtype mxfp4`): 64 tokens 6.4 -> 4.5 ms (2.02 TB/s on the
+packed bytes, 47% of the copy bandwidth); 8,192 tokens 38.7 -> 28.5 ms (72% of the bf16
+grouped GEMM's throughput). Computing out^T = w x^T instead (the unpacked weights as the MMA's
+register operand) measured slower at both shapes and was dropped.
 Reference: `reference.grouped_mm_mxfp4_reference` (dequantize, then the loop). Runs under
 TRITON_INTERPRET=1 on CPU.
 Shape legend: M sorted rows, K input width, N output width, E experts.
