@@ -30,7 +30,6 @@ def mla_decode_kernel(
     part_ptr,  # [M, B, H, L]
     lse_ptr,  # [M, B, H]
     H,
-    page_size,
     qk_scale,  # scale * log2(e)
     stride_qb,
     stride_qh,
@@ -44,6 +43,7 @@ def mla_decode_kernel(
     stride_lb,
     L: tl.constexpr,
     R: tl.constexpr,
+    PAGE: tl.constexpr,  # tokens per page: a constant, so // and % are cheap
     NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -58,8 +58,8 @@ def mla_decode_kernel(
     h_ok = heads < H
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
-    l_ok = offs_l < L
-    r_ok = offs_r < R
+    l_ok = offs_l < L if BLOCK_L != L else tl.full([BLOCK_L], 1, tl.int1)
+    r_ok = offs_r < R if BLOCK_R != R else tl.full([BLOCK_R], 1, tl.int1)
 
     q_base = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     q_lat = tl.load(q_base + offs_l[None, :], mask=h_ok[:, None] & l_ok[None, :], other=0.0)
@@ -76,8 +76,8 @@ def mla_decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         ok = pos < end
-        page_row = tl.load(rows_ptr + b * stride_rb + pos // page_size, mask=ok, other=0)
-        tok = pool_ptr + page_row.to(tl.int64) * stride_pp + (pos % page_size) * stride_pt
+        page_row = tl.load(rows_ptr + b * stride_rb + pos // PAGE, mask=ok, other=0)
+        tok = pool_ptr + page_row.to(tl.int64) * stride_pp + (pos % PAGE) * stride_pt
         c = tl.load(tok[:, None] + offs_l[None, :], mask=ok[:, None] & l_ok[None, :], other=0.0)
         k_rope = tl.load(
             tok[:, None] + L + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0
@@ -106,9 +106,14 @@ def mla_decode_kernel(
 # Launch settings, measured on one H200 (torch 2.11, triton 3.6) at batch 64 x 8K, H = 96
 # (`k3batch bench mla-decode --sweep`, 72 configs): 64 heads, 64 tokens, 8 warps, 3 stages and
 # 3 splits: 0.72 ms, 0.84 TB/s on the latent bytes (20% of the copy bandwidth; 16 heads per
-# program: 1.94 ms, 32: 1.68 ms). At 96 heads the step is at the H200's ridge point (~180
-# FLOP per latent byte), so the tensor cores, not the bandwidth, bound it: 152 TFLOP/s of
-# useful work here (203 counting the padded heads of the second head block).
+# program: 1.94 ms, 32: 1.68 ms); 0.63 ms (22.5%) once the page size became a compile-time
+# constant and the full-width masks went (the loop's SASS: 1,630 -> ~1,470 instructions per
+# token block, the page arithmetic divided by a runtime value before). At 96 heads the step is
+# at the H200's ridge point (~180 FLOP per latent byte), so the tensor cores, not the
+# bandwidth, bound it: 174 TFLOP/s of useful work. ncu: one program per SM (255 registers, 217
+# KiB of shared memory), the tensor pipe 34% busy, no warp eligible 67% of cycles. Rescaling
+# the accumulator lazily (only when a row's max grows by 2^8) made it slower (0.83 ms): the
+# block-uniform branch broke the overlap of the two MMAs.
 # MEASURED is the small-head setting (TP / DCP ranks with <= 16 heads); a default launch the
 # device refuses (out of resources) falls back to it.
 MEASURED = dict(block_h=16, block_n=32, num_warps=4, num_stages=2)
@@ -200,10 +205,10 @@ def mla_decode(
 def _launch(q, pool, rows, lens, part, lse, H, L, R, M, qk_scale, *, block_h, block_n,
             num_warps, num_stages):  # fmt: skip
     mla_decode_kernel[(triton.cdiv(H, block_h), M, q.shape[0])](
-        q, pool, rows, lens, part, lse, H, pool.shape[1], qk_scale,
+        q, pool, rows, lens, part, lse, H, qk_scale,
         q.stride(0), q.stride(1), pool.stride(0), pool.stride(1), rows.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        L=L, R=R, NUM_SPLITS=M, BLOCK_H=block_h, BLOCK_N=block_n,
+        L=L, R=R, PAGE=pool.shape[1], NUM_SPLITS=M, BLOCK_H=block_h, BLOCK_N=block_n,
         BLOCK_L=triton.next_power_of_2(L), BLOCK_R=max(16, triton.next_power_of_2(R)),
         PRECISION=_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

@@ -8,11 +8,13 @@ import torch
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def paged_latents(lens, C, *, page_size: int, dtype, seed: int, spare_pages: int = 3):
+def paged_latents(lens, C, *, page_size: int, dtype, seed: int, spare_pages: int = 3,
+                  ramp: float = 0.0):  # fmt: skip
     """Sequences of lens[b] cached tokens [C] in pages of page_size, pages handed out in a
     shuffled order (no table is contiguous or sorted). Returns (pool [P, page_size, C] in dtype
     on DEVICE, page_rows [B, max pages] int64 on DEVICE, tokens: list of [lens[b], C] fp32 CPU
-    (the values as stored, i.e. after the cast)). Unused pages and tails are NaN."""
+    (the values as stored, i.e. after the cast)). Unused pages and tails are NaN.
+    ramp: token i is scaled by 1 + ramp * i, so attention scores grow along the sequence."""
     g = torch.Generator().manual_seed(seed)
     need = [max(1, -(-n // page_size)) for n in lens]
     P = sum(need) + spare_pages
@@ -24,7 +26,7 @@ def paged_latents(lens, C, *, page_size: int, dtype, seed: int, spare_pages: int
         r = order[k : k + need[b]]
         k += need[b]
         rows[b, : len(r)] = torch.tensor(r)
-        x = torch.randn(n, C, generator=g).to(dtype)
+        x = (torch.randn(n, C, generator=g) * (1 + ramp * torch.arange(n))[:, None]).to(dtype)
         for i in range(n):
             pool[r[i // page_size], i % page_size] = x[i]
         tokens.append(x.float())

@@ -6,7 +6,8 @@ not compute bf16 dots). GPU (`gpu`): K3 shapes (H=96, L=512, R=64, 64-token page
 lengths, bf16 and fp32. Page tables are
 shuffled and everything a kernel must not read is NaN, so a wrong page, a read past a
 sequence's end or a missed mask shows as a non-finite output. Breaking it: drop `& l_ok` or
-use `pos` instead of `pos % page_size` in `mla_decode_kernel` and these fail.
+use `pos` instead of `pos % PAGE` in `mla_decode_kernel` and these fail; drop the rescaling
+of the denominator and the rising many-block case fails.
 """
 
 import pytest
@@ -26,8 +27,9 @@ def _check(name, dtype, ref_t, out):
     assert_close(name, ref_t, out.float().cpu(), rel_rms=rel, max_abs=mx)
 
 
-def _decode_case(lens, H, L, R, page_size, dtype, seed, num_splits):
-    pool, rows, tokens = paged_latents(lens, L + R, page_size=page_size, dtype=dtype, seed=seed)
+def _decode_case(lens, H, L, R, page_size, dtype, seed, num_splits, ramp=0.0):
+    pool, rows, tokens = paged_latents(lens, L + R, page_size=page_size, dtype=dtype, seed=seed,
+                                       ramp=ramp)  # fmt: skip
     g = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(lens), H, L + R, generator=g).to(dtype)
     scale = (128 + R) ** -0.5
@@ -46,12 +48,16 @@ CPU_CASES = [
     pytest.param([1, 6, 17, 9], 2, 3, id="B4-H2-ragged-split3"),
     pytest.param([23, 2, 0], 5, 4, id="B3-H5-empty-seq-split4"),
     pytest.param([3, 70], 20, 2, id="B2-H20-64-head-block-split2"),  # launch_config(H > 16)
+    pytest.param([200, 90], 2, 1, id="B2-H2-many-blocks"),  # 7 token blocks in one program
 ]
 
 
 @pytest.mark.parametrize("lens,H,splits", CPU_CASES)
-def test_mla_decode_matches_reference(lens, H, splits):
-    (o, lse), (o_ref, lse_ref) = _decode_case(lens, H, 32, 8, 4, torch.float32, 0, splits)
+@pytest.mark.parametrize("ramp", [0.0, 0.5], ids=["", "rising"])
+def test_mla_decode_matches_reference(lens, H, splits, ramp):
+    """rising: scores grow along the sequence, so the running max moves in block after block
+    of a program (acc and denominator rescaled each time), not only in its first."""
+    (o, lse), (o_ref, lse_ref) = _decode_case(lens, H, 32, 8, 4, torch.float32, 0, splits, ramp)
     _check("decode_o", torch.float32, o_ref, o)
     empty = torch.tensor(lens) == 0
     assert torch.isneginf(lse.cpu()[empty]).all() and (o.cpu()[empty] == 0).all()
