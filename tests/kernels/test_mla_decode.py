@@ -5,7 +5,7 @@ CPU (default suite): tiny shapes under TRITON_INTERPRET=1, fp32 only (the interp
 not compute bf16 dots). GPU (`gpu`): K3 shapes (H=96, L=512, R=64, 64-token pages), ragged
 lengths, bf16 and fp32. Page tables are
 shuffled and everything a kernel must not read is NaN, so a wrong page, a read past a
-sequence's end or a missed mask shows as a non-finite output. Breaking it: drop `& l_ok` or
+sequence's end or a missed mask shows as a non-finite output. Breaking it: drop `& r_ok` or
 use `pos` instead of `pos % PAGE` in `mla_decode_kernel` and these fail; drop the rescaling
 of the denominator and the rising many-block case fails.
 """
