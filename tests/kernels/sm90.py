@@ -1,0 +1,115 @@
+"""The kernels' other CPU check: what the interpreter ran must also compile for the H200.
+
+Triton's interpreter runs a kernel's Python body; it never builds its IR, so an error that only
+the compiler sees (a type mismatch between two returns of a helper, a layout it cannot lower,
+a bad inline-asm operand) passes the CPU suite and fails on the first GPU run. `Recorder`
+notes every launch of a `k3kernels` kernel during the session (argument types, constexprs,
+warps, stages); `compile_specs` compiles each distinct one for sm_90 with the pip Triton's own
+ptxas, no GPU needed (run as a script: the kernels must be imported without the interpreter).
+Constexprs the launchers set only because they run interpreted are given their GPU values
+(`GPU_VALUES`): the interpreter's fp32 upcast off, the PTX unpacking on for bf16 activations.
+"""
+
+import inspect
+import json
+import os
+import sys
+import time
+
+import torch
+
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+           torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
+           torch.uint8: "u8", torch.bool: "i1"}  # fmt: skip
+# constexpr -> its value on a GPU, given the launch's signature (name -> type)
+GPU_VALUES = {
+    "UPCAST": lambda sig: False,
+    "PTX": lambda sig: sig.get("x_ptr") == "*bf16",
+}
+
+
+def _type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i64" if not -(2**31) <= value < 2**31 else "i32"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+class Recorder:
+    """Patches the interpreter's launch to note each `k3kernels` launch as a spec
+    {module, kernel, signature, constexprs, num_warps, num_stages}."""
+
+    def __init__(self):
+        self.specs: dict[str, dict] = {}
+
+    def install(self) -> None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        run, recorder = InterpretedFunction.run, self
+
+        def recording_run(fn, *args, grid, warmup, **kwargs):
+            recorder.note(fn.fn, args, kwargs)
+            return run(fn, *args, grid=grid, warmup=warmup, **kwargs)
+
+        InterpretedFunction.run = recording_run
+
+    def note(self, fn, args, kwargs) -> None:
+        if not fn.__module__.startswith("k3kernels."):
+            return
+        params = inspect.signature(fn).parameters
+        bound = dict(zip(params, args)) | {k: v for k, v in kwargs.items() if k in params}
+        signature, constexprs = {}, {}
+        for name, p in params.items():
+            value = bound.get(name, p.default)
+            if "constexpr" in str(p.annotation):
+                constexprs[name] = value
+            else:
+                signature[name] = _type(value)
+        spec = {"module": fn.__module__, "kernel": fn.__name__, "signature": signature,
+                "constexprs": constexprs, "num_warps": kwargs.get("num_warps", 4),
+                "num_stages": kwargs.get("num_stages", 3)}  # fmt: skip
+        self.specs.setdefault(json.dumps(spec, sort_keys=True), spec)
+
+
+def compile_specs(specs: list[dict]) -> list[str]:
+    """Compile each spec for sm_90 (GPU values of interpreter-only constexprs); returns one
+    line per failure: kernel, constexprs and the compiler's message."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    failures = []
+    for spec in specs:
+        kernel = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+        sig = spec["signature"]
+        consts = {k: GPU_VALUES[k](sig) if k in GPU_VALUES else v
+                  for k, v in spec["constexprs"].items()}  # fmt: skip
+        names = kernel.arg_names
+        full = {n: sig.get(n, "constexpr") for n in names}
+        src = ASTSource(kernel, full, constexprs={(names.index(k),): v for k, v in consts.items()})
+        try:
+            triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": spec["num_warps"],
+                                    "num_stages": spec["num_stages"]})  # fmt: skip
+        except Exception as e:  # the message is the test's output
+            failures.append(f"{spec['module']}.{spec['kernel']} {consts}: "
+                            f"{type(e).__name__}: {str(e)[-1500:]}")  # fmt: skip
+    return failures
+
+
+if __name__ == "__main__":  # python sm90.py SPECS.json (without TRITON_INTERPRET)
+    assert os.environ.get("TRITON_INTERPRET") != "1", "compile without the interpreter"
+    t0 = time.perf_counter()
+    specs = json.loads(open(sys.argv[1]).read())
+    failed = compile_specs(specs)
+    print(f"{len(specs)} launches compiled for sm_90 in {time.perf_counter() - t0:.1f} s, "
+          f"{len(failed)} failed")  # fmt: skip
+    print("\n\n".join(failed))
+    sys.exit(1 if failed else 0)
