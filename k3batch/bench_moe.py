@@ -155,7 +155,8 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
         gemm = gemm_mxfp4 if expert_dtype == "mxfp4" else partial(gemm_only, impl="triton")
         name = "gemm-mxfp4" if expert_dtype == "mxfp4" else "gemm-triton"
         impls += [(f"{name} {json.dumps(cfg)}", gemm(cfg=cfg))
-                  for cfg in sweep_configs(regime(num_tokens * k, config.num_experts) == "decode")]
+                  for cfg in sweep_configs(regime(num_tokens * k, config.num_experts) == "decode",
+                                           tails=expert_dtype == "bf16")]  # fmt: skip
     for impl, fn in impls:
         try:
             ms = _time_ms(fn, repeats)
@@ -189,14 +190,18 @@ def save_best(rows: list[dict], expert_dtype: str, num_slots: int, num_experts: 
     return cfg
 
 
-def sweep_configs(decode: bool) -> list[dict]:
-    """Launch configs of the Triton grouped GEMMs (bf16 and W4A16) that `--sweep` times."""
+def sweep_configs(decode: bool, tails: bool = False) -> list[dict]:
+    """Launch configs of the Triton grouped GEMMs (bf16 and W4A16) that `--sweep` times; with
+    tails (the bf16 kernel) also prefill tiles with `block_t` (see `grouped_mm_triton`)."""
     keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
     if decode:
         grid = itertools.product((16,), (32, 64, 128), (64, 128, 256), (2, 4), (2, 3, 4))
-    else:
-        grid = itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
-    return [dict(zip(keys, values)) for values in grid]
+        return [dict(zip(keys, values)) for values in grid]
+    grid = itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
+    # 128-row tiles whose last, partial tile per expert runs in steps of block_t rows
+    tailed = itertools.product((128,), (128, 256), (64,), (8,), (3, 4), (32, 64))
+    return [dict(zip(keys, values)) for values in grid] + (
+        [dict(zip((*keys, "block_t"), values)) for values in tailed] if tails else [])
 
 
 def _loop_experts(x_TD, w13, w2, ids_Tk, weights_Tk, *, act, beta, linear_beta):

@@ -18,6 +18,12 @@ inputs unless TRITON_F32_DEFAULT says otherwise). Runs under TRITON_INTERPRET=1 
 Measured on one H200 at k3-slice prefill: 40% of the bf16 peak at best (128 x 256 tiles, 8
 warps) against 47% for `torch._grouped_mm`, which therefore serves prefill; at decode shapes
 the Triton kernel streams the weights at 3.9-4.0 TB/s against 2.8-3.0 (`k3batch bench moe`).
+Both lose to tile waste at prefill: ~146 rows per expert fill one 128-row tile and 18/128 of a
+second, so 57% of the computed rows are useful. `block_t` runs each expert's last, partial
+tile in steps of block_t rows instead (the same program, its weight tile then read from L2):
+at block_t = 32 about 91% of the computed rows are useful. Not yet measured on a GPU (the
+bf16 `bench moe --sweep` times it); it compiles for sm_90 without spills (186 registers at
+128 x 256 x 64, 8 warps; 218 with block_t = 32, whose steps run on mma.sync).
 Shape legend: M sorted rows, K input width, N output width, E experts.
 """
 
@@ -78,30 +84,47 @@ def tile_rows_cols(first, offs_ptr, expert, n_block, N, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
+def _gemm_tile(x_ptr, w_base, out_ptr, first, end, cols, col_ok, K, stride_x, stride_wn,
+               stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               UPCAST: tl.constexpr):  # fmt: skip
+    """out[rows] = x[rows] @ w.T over columns `cols` for rows [first, min(first + BLOCK_M, end))."""
+    rows = first + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    kk = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + kk[None, :]
+    b_ptrs = w_base + cols.to(tl.int64)[None, :] * stride_wn + kk[:, None]  # [BK, BN]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + kk) < K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc += tl.dot(a, b)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, offs_ptr, table_ptr, P,
                         N, K, stride_x, stride_we, stride_wn, stride_out, E,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        UPCAST: tl.constexpr):  # fmt: skip
+                        BLOCK_T: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
     expert, first, n_block = program_tile(table_ptr, P, N, E, BLOCK_N)
     if expert < E:
-        rows, cols, row_ok, col_ok = tile_rows_cols(first, offs_ptr, expert, n_block, N,
-                                                    BLOCK_M, BLOCK_N)  # fmt: skip
-        kk = tl.arange(0, BLOCK_K)
-        a_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + kk[None, :]
+        end = tl.load(offs_ptr + expert)
+        cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
         w_base = w_ptr + expert.to(tl.int64) * stride_we
-        b_ptrs = w_base + cols.to(tl.int64)[None, :] * stride_wn + kk[:, None]  # [BK, BN]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + kk) < K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            acc += tl.dot(a, b)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
-        o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        if BLOCK_T > 0 and end - first < BLOCK_M:  # an expert's last, partial tile
+            for t0 in range(first, end, BLOCK_T):
+                _gemm_tile(x_ptr, w_base, out_ptr, t0, end, cols, col_ok, K, stride_x,
+                           stride_wn, stride_out, BLOCK_T, BLOCK_N, BLOCK_K, UPCAST)  # fmt: skip
+        else:
+            _gemm_tile(x_ptr, w_base, out_ptr, first, end, cols, col_ok, K, stride_x,
+                       stride_wn, stride_out, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)  # fmt: skip
 
 
 DEFAULT_CONFIGS = {
@@ -145,7 +168,8 @@ def grouped_mm_triton(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Ten
                       **config) -> torch.Tensor:  # fmt: skip
     """out[r] = x[r] @ w[e].T for the rows r of group e; x [M, K], w [E, N, K] with unit last
     strides, offs [E] int32 cumulative group ends. Rows after offs[-1] are left unwritten.
-    config: block_m, block_n, block_k, num_warps, num_stages (default `launch_config`)."""
+    config: block_m, block_n, block_k, num_warps, num_stages (default `launch_config`), and
+    block_t: rows per step of each expert's last, partial tile (0: one block_m tile)."""
     if x_MK.stride(-1) != 1 or w_ENK.stride(-1) != 1:
         raise ValueError("grouped_mm_triton needs unit last strides on x and w")
     M, K = x_MK.shape
@@ -161,6 +185,7 @@ def grouped_mm_triton(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Ten
     grouped_gemm_kernel[grid](x_MK, w_ENK, out, offs_E, table, P, N, K,
                               x_MK.stride(0), w_ENK.stride(0), w_ENK.stride(1), out.stride(0), E,
                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["block_k"],
+                              BLOCK_T=cfg.get("block_t", 0),
                               UPCAST=_INTERPRETED and x_MK.dtype != torch.float32,
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     return out

@@ -268,6 +268,9 @@ def _interpreted_checks():
         _check_experts(TINY[name], torch.float32, "cpu", use_triton=True)
     _check_grouped_mm_triton("cpu", block_n=16, block_k=16)
     _check_grouped_mm_triton("cpu", block_m=16, block_n=16, block_k=16)  # the decode tiles
+    # 64-row tiles with each expert's partial last tile in steps of 16 rows (groups of 67 and
+    # 70 rows: tails of 3 and 6 rows)
+    _check_grouped_mm_triton("cpu", block_m=64, block_n=16, block_k=16, block_t=16)
     for K, bm in ((48, 16), (64, 64)):  # a partial scale group at decode tiles; prefill tiles
         _check_grouped_mm_mxfp4("cpu", K=K, block_m=bm, block_n=16, block_k=32)
     _check_grouped_mm_mxfp4("cpu", K=64, N=32, block_m=16, block_n=16, block_k=32)  # no overhang
@@ -317,6 +320,7 @@ def test_route_and_sort_gpu():
 def test_grouped_mm_triton_gpu():
     _check_grouped_mm_triton("cuda")
     _check_grouped_mm_triton("cuda", block_m=16, block_n=64, block_k=128, num_stages=4)
+    _check_grouped_mm_triton("cuda", block_m=64, block_n=64, block_k=64, block_t=16)
     for shape in ("T8192-prefill", "T64-decode"):
         _check_experts(K3_SLICE[shape], torch.bfloat16, "cuda", use_triton=True,
                        gemm_impl="triton")  # fmt: skip
