@@ -29,6 +29,7 @@ from functools import partial
 
 import torch
 
+from k3batch.bench_kernels import COPY_TBPS
 from k3batch.model import get_flavor
 from k3kernels.moe.experts import fused_experts
 from k3kernels.moe.grouped_gemm import grouped_mm
@@ -235,7 +236,7 @@ def format_moe_table(rows: list[dict]) -> str:
     lines = [
         f"routed experts, {r0['flavor']}: {r0['layers']} layers x {r0['tokens']} tokens, bf16; "
         f"peak {PEAK_BF16_TFLOPS:.0f} TFLOP/s",
-        "impl              |      ms | TFLOP/s | % of peak | expert TB/s",
+        "impl              |      ms | TFLOP/s | % of peak | expert TB/s | % of copy",
     ]
     for r in rows:
         if "error" in r:
@@ -243,6 +244,6 @@ def format_moe_table(rows: list[dict]) -> str:
             continue
         lines.append(
             f"{r['impl']:17s} | {r['ms']:7.2f} | {r['tflops']:7.1f} | {r['pct_peak']:8.1f}% | "
-            f"{r['weight_tbps']:11.2f}"
+            f"{r['weight_tbps']:11.2f} | {100 * r['weight_tbps'] / COPY_TBPS:8.1f}%"
         )
     return "\n".join(lines)
