@@ -8,6 +8,11 @@ warps, stages); `compile_specs` compiles each distinct one for sm_90 with the pi
 ptxas, no GPU needed (run as a script: the kernels must be imported without the interpreter).
 Constexprs the launchers set only because they run interpreted are given their GPU values
 (`GPU_VALUES`): the interpreter's fp32 upcast off, the PTX unpacking on for bf16 activations.
+
+Also a kernel engineer's tool without a GPU: `K3_SM90_SPECS=specs.json pytest tests/kernels -k
+moe` writes the launches, then `python tests/kernels/sm90.py specs.json --sass` prints, per
+launch, registers, shared memory and the instruction mix of the main loop (how the W4A16 and
+MLA decode kernels were found to be bound by instruction issue: `benchmarks/kernels_h200.txt`).
 """
 
 import inspect
@@ -76,9 +81,10 @@ class Recorder:
         self.specs.setdefault(json.dumps(spec, sort_keys=True), spec)
 
 
-def compile_specs(specs: list[dict]) -> list[str]:
+def compile_specs(specs: list[dict], sass: bool = False) -> list[str]:
     """Compile each spec for sm_90 (GPU values of interpreter-only constexprs); returns one
-    line per failure: kernel, constexprs and the compiler's message."""
+    line per failure: kernel, constexprs and the compiler's message. sass: also print each
+    kernel's registers, shared memory and the instruction mix of its main loop (`loop_mix`)."""
     import importlib
 
     import triton
@@ -95,20 +101,60 @@ def compile_specs(specs: list[dict]) -> list[str]:
         full = {n: sig.get(n, "constexpr") for n in names}
         src = ASTSource(kernel, full, constexprs={(names.index(k),): v for k, v in consts.items()})
         try:
-            triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": spec["num_warps"],
-                                    "num_stages": spec["num_stages"]})  # fmt: skip
+            out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                 options={"num_warps": spec["num_warps"],
+                                          "num_stages": spec["num_stages"]})  # fmt: skip
         except Exception as e:  # the message is the test's output
             failures.append(f"{spec['module']}.{spec['kernel']} {consts}: "
                             f"{type(e).__name__}: {str(e)[-1500:]}")  # fmt: skip
+            continue
+        if sass:
+            regs, total, mix = loop_mix(out.asm["cubin"])
+            loop = f"main loop {total} instructions: {mix}" if total else "no loop"
+            print(f"{spec['kernel']} {consts} warps {spec['num_warps']} stages "
+                  f"{spec['num_stages']}: {regs} registers, {out.metadata.shared} B shared; "
+                  f"{loop}")  # fmt: skip
     return failures
 
 
-if __name__ == "__main__":  # python sm90.py SPECS.json (without TRITON_INTERPRET)
+def loop_mix(cubin: bytes, top: int = 12) -> tuple[int, int, str]:
+    """(registers, instructions of the longest loop, its most frequent opcodes) of a compiled
+    kernel, read from its SASS (cuobjdump from the pip Triton's own tools)."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        run = [os.path.join(tools, "cuobjdump"), f.name]
+        res = subprocess.run([run[0], "-res-usage", f.name], capture_output=True, text=True)
+        sass = subprocess.run([run[0], "-sass", f.name], capture_output=True, text=True).stdout
+    regs = int(re.search(r"REG:(\d+)", res.stdout).group(1))
+    line = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
+    code = [(int(m.group(1), 16), m.group(2)) for m in map(line.match, sass.splitlines()) if m]
+    loop = (0, -1)  # the longest backward branch: the main loop's body
+    for addr, ins in code:
+        target = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", ins)
+        if target and target.group(1) and int(target.group(1), 16) < addr:
+            if addr - int(target.group(1), 16) > loop[1] - loop[0]:
+                loop = (int(target.group(1), 16), addr)
+    ops = collections.Counter(
+        re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
+        for addr, ins in code if loop[0] <= addr <= loop[1]
+    )  # fmt: skip
+    return regs, sum(ops.values()), ", ".join(f"{op} {n}" for op, n in ops.most_common(top))
+
+
+if __name__ == "__main__":  # python sm90.py SPECS.json [--sass] (without TRITON_INTERPRET)
     assert os.environ.get("TRITON_INTERPRET") != "1", "compile without the interpreter"
     t0 = time.perf_counter()
     specs = json.loads(open(sys.argv[1]).read())
-    failed = compile_specs(specs)
+    failed = compile_specs(specs, sass="--sass" in sys.argv[2:])
     print(f"{len(specs)} launches compiled for sm_90 in {time.perf_counter() - t0:.1f} s, "
           f"{len(failed)} failed")  # fmt: skip
     print("\n\n".join(failed))
