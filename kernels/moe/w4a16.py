@@ -118,9 +118,9 @@ def w4a16_grouped_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, table_ptr, P,
         s_cols = s_ptr + expert.to(tl.int64) * stride_se + cols.to(tl.int64) * stride_sn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            # Indices written so that the compiler sees contiguous runs (vector loads): bytes
-            # k0/2 + jj, scale groups k0/GROUP + jj/(GROUP/2), inputs k0 + kk.
-            # weight tiles [BLOCK_K / 2, BLOCK_N]
+            # Weight tiles [BLOCK_K / 2, BLOCK_N], indices written so that the compiler sees
+            # contiguous runs (vector loads): bytes k0/2 + jj, scale groups k0/GROUP + jj/(GROUP/2),
+            # inputs k0 + kk.
             q_ptrs = q_cols[None, :] + (k0 // 2 + jj)[:, None]
             wmask = (k0 // 2 + jj < K // 2)[:, None] & col_ok[None, :]
             if EVEN:

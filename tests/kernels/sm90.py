@@ -15,10 +15,14 @@ launch, registers, shared memory and the instruction mix of the main loop (how t
 MLA decode kernels were found to be bound by instruction issue: `benchmarks/kernels_h200.txt`).
 """
 
+import collections
 import inspect
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -120,29 +124,24 @@ def compile_specs(specs: list[dict], sass: bool = False) -> list[str]:
 def loop_mix(cubin: bytes, top: int = 12) -> tuple[int, int, str]:
     """(registers, instructions of the longest loop, its most frequent opcodes) of a compiled
     kernel, read from its SASS (cuobjdump from the pip Triton's own tools)."""
-    import collections
-    import re
-    import subprocess
-    import tempfile
-
     import triton
 
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                             "cuobjdump")  # fmt: skip
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        run = [os.path.join(tools, "cuobjdump"), f.name]
-        res = subprocess.run([run[0], "-res-usage", f.name], capture_output=True, text=True)
-        sass = subprocess.run([run[0], "-sass", f.name], capture_output=True, text=True).stdout
+        res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True)
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
     regs = int(re.search(r"REG:(\d+)", res.stdout).group(1))
     line = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
     code = [(int(m.group(1), 16), m.group(2)) for m in map(line.match, sass.splitlines()) if m]
     loop = (0, -1)  # the longest backward branch: the main loop's body
     for addr, ins in code:
-        target = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", ins)
-        if target and target.group(1) and int(target.group(1), 16) < addr:
-            if addr - int(target.group(1), 16) > loop[1] - loop[0]:
-                loop = (int(target.group(1), 16), addr)
+        target = re.search(r"BRA\s+0x([0-9a-f]+)", ins)
+        start = int(target.group(1), 16) if target else addr
+        if start < addr and addr - start > loop[1] - loop[0]:
+            loop = (start, addr)
     ops = collections.Counter(
         re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
         for addr, ins in code if loop[0] <= addr <= loop[1]
