@@ -114,6 +114,16 @@ def mla_decode_kernel(
 # KiB of shared memory), the tensor pipe 34% busy, no warp eligible 67% of cycles. Rescaling
 # the accumulator lazily (only when a row's max grows by 2^8) made it slower (0.83 ms): the
 # block-uniform branch broke the overlap of the two MMAs.
+# Where the tensor time goes (SASS of this launch compiled for sm_90 on the CPU machine,
+# `tests/kernels/sm90.py`): per 64-token block each of the two warpgroups issues 72
+# HGMMA.64x32x16 for the scores, the whole [64, 64] tile over C = 576, then 4 HGMMA.64x256x16
+# for its half of the latent. Triton gives a dot whose result feeds another dot all its warps
+# along M (so that softmax rows stay inside a warp), and with 8 warps over 64 rows both
+# warpgroups compute the same scores: 1.53x the useful MMA work, 2.04x with the 96 heads padded
+# to 128. The kernel executes ~350 TFLOP/s of MMA (46% of the measured 777 peak); without the
+# duplicate and the padding that rate would give ~0.31 ms (41% of the copy bandwidth). 80%
+# needs 618 TFLOP/s of useful work: the scores computed once by one warpgroup and handed to both
+# through shared memory (FlashMLA's split), which Triton's dot layouts do not express.
 # MEASURED is the small-head setting (TP / DCP ranks with <= 16 heads); a default launch the
 # device refuses (out of resources) falls back to it.
 MEASURED = dict(block_h=16, block_n=32, num_warps=4, num_stages=2)

@@ -15,15 +15,15 @@ gate-up GEMM, about as many bytes as the weights themselves. On one H200 at k3-s
 expert-major order took the GEMMs from 32.1 to 25.7 ms at the same tiles.) Each program computes a
 [block_m, block_n] tile of x[rows] @ w[e].T with fp32 accumulation (`tl.dot`; TF32 for fp32
 inputs unless TRITON_F32_DEFAULT says otherwise). Runs under TRITON_INTERPRET=1 on CPU.
-Measured on one H200 at k3-slice prefill: 40% of the bf16 peak at best (128 x 256 tiles, 8
-warps) against 47% for `torch._grouped_mm`, which therefore serves prefill; at decode shapes
-the Triton kernel streams the weights at 3.9-4.0 TB/s against 2.8-3.0 (`k3batch bench moe`).
-Both lose to tile waste at prefill: ~146 rows per expert fill one 128-row tile and 18/128 of a
-second, so 57% of the computed rows are useful. `block_t` runs each expert's last, partial
-tile in steps of block_t rows instead (the same program, its weight tile then read from L2):
-at block_t = 32 about 91% of the computed rows are useful. Not yet measured on a GPU (the
-bf16 `bench moe --sweep` times it); it compiles for sm_90 without spills (186 registers at
-128 x 256 x 64, 8 warps; 218 with block_t = 32, whose steps run on mma.sync).
+Measured on one H200 at k3-slice prefill (`k3batch bench moe --sweep`, 7 layers x 8,192 tokens):
+~146 rows per expert fill one 128-row tile and 18/128 of a second, so 57% of the computed rows
+are useful. `block_t` runs each expert's last, partial tile in steps of block_t rows instead
+(the same program, its weight tile then read from L2). 128 x 256 x 64 tiles, 8 warps: 24.1 ms
+(40% of the bf16 peak) plain, 22.5 ms (43%) with block_t = 64 (76% of the rows useful), 26.3 ms
+with block_t = 32 (91% useful, but tiles under 64 rows run on mma.sync, not wgmma); torch's
+grouped GEMM takes 20.5 ms (48%) with its 128-row tiles, so it serves prefill. Per computed row
+this kernel's main tiles run at ~71% of the peak against ~83% for torch's CUTLASS one. At decode
+shapes the Triton kernel streams the weights at 3.9-4.0 TB/s against 2.8-3.0 for torch.
 Shape legend: M sorted rows, K input width, N output width, E experts.
 """
 
@@ -156,7 +156,8 @@ def launch_config(num_rows: int, num_experts: int, weights: str = "bf16") -> dic
     """Tiles by the mean rows per expert (host integers): decode (a few rows per expert, the
     weights streamed once, memory bound) takes 16-row tiles and long K steps; prefill larger
     tiles. The current GPU's tuned table (`k3batch bench moe --sweep` measures one) overrides
-    the defaults; weights: "bf16" or "mxfp4"."""
+    the defaults; weights: "bf16" or "mxfp4" (the tuned formats), or any other name for the
+    defaults (fp32 inputs: a bf16 table's tiles can exceed shared memory at twice the bytes)."""
     kind = regime(num_rows, num_experts)
     tuned = {}
     if not _INTERPRETED and torch.cuda.is_available():
@@ -174,7 +175,8 @@ def grouped_mm_triton(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Ten
         raise ValueError("grouped_mm_triton needs unit last strides on x and w")
     M, K = x_MK.shape
     E, N, _ = w_ENK.shape
-    cfg = launch_config(M, E) | config
+    weights = "bf16" if x_MK.dtype == torch.bfloat16 else str(x_MK.dtype)
+    cfg = launch_config(M, E, weights) | config
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     out = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
     if M == 0:
