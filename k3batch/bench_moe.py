@@ -17,7 +17,9 @@ bytes (0.53 B per weight), beside the bf16 rows on the same weights' dequantized
 First H200 run (torch 2.11): experts 22.0 ms = 345 TFLOP/s (44% of peak), gemm 20.1 ms = 378
 TFLOP/s (49%), torch-elementwise 35.0 ms (28%): the grouped GEMMs' tile waste (see
 grouped_gemm.py) bounds this design, not the sort, activation or combine (2 ms together).
-Times are CUDA-event medians of whole passes over all layers after a warm-up. At decode
+Times are CUDA-event medians of replays of a CUDA graph of a whole pass over all layers ("loop-
+before", which reads counts on the host, runs eagerly): at a few tokens an eager pass is bound
+by the host's launches (7 layers at 1 token: ~4 ms eager for ~0.1 ms of kernels). At decode
 shapes (few tokens) the column that matters is TB/s: the bytes of the experts the routes touch
 (each read once) over the time, against the copy bandwidth (4.26 TB/s on the H200).
 """
@@ -56,9 +58,18 @@ def _layer_inputs(config, num_tokens: int, gen, device):
     return x, w13, w2, ids, weights
 
 
-def _time_ms(fn, repeats: int) -> float:
+def _time_ms(fn, repeats: int, graph: bool = True) -> float:
+    """Median CUDA-event time of fn after a warm-up; with graph, of the replay of a CUDA graph
+    of fn (what the engine's decode step runs), so that the host's launch time, which exceeds
+    the GPU's at a few tokens, is left out."""
     fn()  # warm-up: Triton compilation, CUTLASS setup
     torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
+        fn()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -160,7 +171,7 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
                                            tails=expert_dtype == "bf16")]  # fmt: skip
     for impl, fn in impls:
         try:
-            ms = _time_ms(fn, repeats)
+            ms = _time_ms(fn, repeats, graph=impl != "loop-before")  # it reads counts on the host
         except Exception as e:  # an experimental row must not hide the others
             rows.append({"impl": impl, "error": f"{type(e).__name__}: {e}"[:300]})
             continue

@@ -31,9 +31,10 @@ import triton.language as tl
 from k3kernels.moe.grouped_gemm_triton import (
     _INTERPRETED,
     launch_config,
+    block_e,
+    num_tile_slots,
     program_tile,
     tile_rows_cols,
-    tile_table,
 )
 from k3kernels.moe.mxfp4 import GROUP_SIZE, MXFP4Weight
 
@@ -102,12 +103,12 @@ def _per_byte(s, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
 
 
 @triton.jit
-def w4a16_grouped_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, table_ptr, P,
-                         N, K, stride_x, stride_qe, stride_qn, stride_se, stride_sn, stride_out, E,
-                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PTX: tl.constexpr,
+def w4a16_grouped_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, stride_x, stride_qe,
+                         stride_qn, stride_se, stride_sn, stride_out, E, GROUP: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_E: tl.constexpr, UPCAST: tl.constexpr, PTX: tl.constexpr,
                          EVEN: tl.constexpr, SMALL_SCALES: tl.constexpr):  # fmt: skip
-    expert, first, n_block = program_tile(table_ptr, P, N, E, BLOCK_N)
+    expert, first, n_block = program_tile(offs_ptr, E, N, BLOCK_M, BLOCK_N, BLOCK_E)
     if expert < E:
         rows, cols, row_ok, col_ok = tile_rows_cols(first, offs_ptr, expert, n_block, N,
                                                     BLOCK_M, BLOCK_N)  # fmt: skip
@@ -186,13 +187,13 @@ def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
     out = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
     if M == 0:
         return out
-    table = tile_table(offs_E, M, cfg["block_m"])
-    P = table.shape[1]
-    w4a16_grouped_kernel[(P * triton.cdiv(N, cfg["block_n"]),)](
-        x_MK, w.packed, w.scale, out, offs_E, table, P, N, K, x_MK.stride(0),
+    grid = (num_tile_slots(M, E, cfg["block_m"]) * triton.cdiv(N, cfg["block_n"]),)
+    w4a16_grouped_kernel[grid](
+        x_MK, w.packed, w.scale, out, offs_E, N, K, x_MK.stride(0),
         w.packed.stride(0), w.packed.stride(1), w.scale.stride(0), w.scale.stride(1),
         out.stride(0), E, GROUP=GROUP_SIZE, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"], UPCAST=_INTERPRETED and x_MK.dtype != torch.float32,
+        BLOCK_K=cfg["block_k"], BLOCK_E=block_e(E),
+        UPCAST=_INTERPRETED and x_MK.dtype != torch.float32,
         PTX=not _INTERPRETED and x_MK.dtype == torch.bfloat16,
         EVEN=K % cfg["block_k"] == 0 and N % cfg["block_n"] == 0, SMALL_SCALES=w.small_scales,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

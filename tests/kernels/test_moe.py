@@ -360,3 +360,20 @@ def test_decode_tiles_up_to_eight_slots_per_expert():
     assert regime(8 * E, E) == "decode" and regime(8 * E + 1, E) == "prefill"
     assert launch_config(512, E) == DEFAULT_CONFIGS["decode"]  # CPU: no tuned table
     assert launch_config(16384, E)["block_m"] == DEFAULT_CONFIGS["prefill"]["block_m"]
+
+
+def test_tile_slots_bound_every_grouping():
+    """The grid's bound on row tiles (`num_tile_slots`, host integers) holds for any grouping,
+    with equality when every row has its own expert: the programs past it would be the ones
+    left without a tile, and rows of theirs unwritten."""
+    from k3kernels.moe.grouped_gemm_triton import num_tile_slots
+
+    g = torch.Generator().manual_seed(0)
+    for E, M, block_m in ((8, 5, 16), (8, 200, 16), (112, 128, 16), (112, 16384, 128), (3, 64, 64)):
+        for _ in range(50):
+            used = int(torch.randint(0, M + 1, (1,), generator=g))  # rows after offs[-1] unused
+            ids = torch.randint(0, E, (used,), generator=g)
+            counts = torch.bincount(ids, minlength=E)
+            tiles = int(((counts + block_m - 1) // block_m).sum())
+            assert tiles <= num_tile_slots(M, E, block_m), (E, M, block_m, counts.tolist())
+    assert num_tile_slots(5, 8, 16) == 5  # five experts of one row each: five tiles
