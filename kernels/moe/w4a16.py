@@ -15,8 +15,9 @@ loop spends ~3.6 instructions per weight (SASS: 2.25 to unpack and scale, ~0.25 
 scales into bf16 pairs, the rest loads, MMAs and addresses). Hence: masks only when a tile
 overhangs K or N (`EVEN`), one multiply per value pair when the scales are small
 (`SMALL_SCALES`), and the placement by multiply of `_e2m1_pairs_bf16`. One H200, k3-slice, 7
-layers (`k3batch bench moe --expert-dtype mxfp4`): 64 tokens 6.4 -> 4.5 ms (2.02 TB/s on the
-packed bytes, 47% of the copy bandwidth); 8,192 tokens 38.7 -> 28.5 ms (72% of the bf16
+layers (`k3batch bench moe --expert-dtype mxfp4`): 64 tokens 6.4 -> 4.5 ms timed eagerly, 3.6
+ms as CUDA-graph replays once the tile table went (2.53 TB/s on the packed bytes, 59% of the
+copy bandwidth); 8,192 tokens 38.7 -> 28.5 ms (72% of the bf16
 grouped GEMM's throughput). Computing out^T = w x^T instead (the unpacked weights as the MMA's
 register operand) measured slower at both shapes and was dropped.
 Reference: `reference.grouped_mm_mxfp4_reference` (dequantize, then the loop). Runs under
