@@ -127,6 +127,22 @@ def _check_grouped_mm_triton(device, **blocks):
     return ref
 
 
+def _check_many_experts(device):
+    """37 experts (the kernels scan their tile counts over 64 lanes), most of them empty or
+    of one row, with a grid at its bound: every row written, equal to the loop (fp32)."""
+    from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton
+
+    g = torch.Generator().manual_seed(7)
+    counts = torch.zeros(37, dtype=torch.int64)
+    counts[torch.randperm(37, generator=g)[:9]] = torch.tensor([1, 1, 1, 2, 5, 16, 17, 33, 1])
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    x, w = torch.randn(80, 16, generator=g), torch.randn(37, 16, 16, generator=g)
+    ref = grouped_mm_loop(x, w, offs)[: int(offs[-1])]
+    out = grouped_mm_triton(x.to(device), w.to(device), offs.to(device), block_m=16, block_n=16,
+                            block_k=16, num_warps=4, num_stages=2)[: int(offs[-1])]  # fmt: skip
+    assert_close("grouped_mm_triton-37-experts", ref, out.cpu(), rel_rms=1e-5)
+
+
 def _check_grouped_mm_mxfp4(device, M=150, K=64, N=40, tol_bf16=5e-3, big=False, **blocks):
     """The W4A16 grouped GEMM against dequantize-then-matmul: fp32 and bf16 activations, empty
     groups, groups longer than one row tile, unused rows at the end; K = 48 has a partial last
@@ -268,6 +284,7 @@ def _interpreted_checks():
         _check_experts(TINY[name], torch.float32, "cpu", use_triton=True)
     _check_grouped_mm_triton("cpu", block_n=16, block_k=16)
     _check_grouped_mm_triton("cpu", block_m=16, block_n=16, block_k=16)  # the decode tiles
+    _check_many_experts("cpu")
     # 64-row tiles with each expert's partial last tile in steps of 16 rows (groups of 67 and
     # 70 rows: tails of 3 and 6 rows)
     _check_grouped_mm_triton("cpu", block_m=64, block_n=16, block_k=16, block_t=16)
