@@ -17,10 +17,10 @@ bytes (0.53 B per weight), beside the bf16 rows on the same weights' dequantized
 First H200 run (torch 2.11): experts 22.0 ms = 345 TFLOP/s (44% of peak), gemm 20.1 ms = 378
 TFLOP/s (49%), torch-elementwise 35.0 ms (28%): the grouped GEMMs' tile waste (see
 grouped_gemm.py) bounds this design, not the sort, activation or combine (2 ms together).
-Times are CUDA-event medians of replays of a CUDA graph of a whole pass over all layers ("loop-
-before", which reads counts on the host, runs eagerly): at a few tokens an eager pass is bound
-by the host's launches (7 layers at 1 token: ~4 ms eager for ~0.1 ms of kernels). At decode
-shapes (few tokens) the column that matters is TB/s: the bytes of the experts the routes touch
+Times are CUDA-event medians of replays of a CUDA graph of a whole pass over all layers
+("loop-before", which reads counts on the host, runs eagerly): at a few tokens an eager pass is
+bound by the host's launches (7 layers at 1 token, MXFP4: ~4 ms eager for 0.25 ms of kernels).
+At decode shapes (few tokens) the column that matters is TB/s: the bytes of the experts the routes touch
 (each read once) over the time, against the copy bandwidth (4.26 TB/s on the H200).
 """
 
