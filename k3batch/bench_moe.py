@@ -6,11 +6,11 @@ own random bf16 weights and routes drawn like a router's (top-k of random scores
 T k / E slots per expert). Useful FLOPs: 2 T k (3 D I) per layer (gate-up 2 D 2 I, down 2 I D).
 Rows: "experts" (the whole `fused_experts` pass: sort, gather, grouped GEMMs, fused activation,
 combine), "gemm" (the two grouped GEMMs alone on pre-sorted rows, the ceiling of this design),
-"experts-triton" / "gemm-triton" (the Triton
-grouped GEMM, 16-row tiles at decode shapes and 64 at prefill, `k3kernels.moe.grouped_gemm_triton`), "torch-elementwise" (the
-pass with torch activation and combine, to show what fusing buys) and "loop-before" (the
-per-expert loop this replaced: counts read on the host, two GEMMs for gate and up, torch
-activation, index_add_). A row that fails reports its error instead of a time.
+"experts-triton" / "gemm-triton" (the Triton grouped GEMM, 16-row tiles at decode shapes and 64
+at prefill, `k3kernels.moe.grouped_gemm_triton`), "torch-elementwise" (the pass with torch
+activation and combine, to show what fusing buys) and "loop-before" (the per-expert loop this
+replaced: counts read on the host, two GEMMs for gate and up, torch activation, index_add_).
+A row that fails reports its error instead of a time.
 With `--expert-dtype mxfp4` the experts are quantized and kept packed: "experts-mxfp4" and
 "gemm-mxfp4" run the W4A16 kernel (`k3kernels.moe.w4a16`), their TB/s counted on the packed
 bytes (0.53 B per weight), beside the bf16 rows on the same weights' dequantized values.
@@ -20,8 +20,9 @@ grouped_gemm.py) bounds this design, not the sort, activation or combine (2 ms t
 Times are CUDA-event medians of replays of a CUDA graph of a whole pass over all layers
 ("loop-before", which reads counts on the host, runs eagerly): at a few tokens an eager pass is
 bound by the host's launches (7 layers at 1 token, MXFP4: ~4 ms eager for 0.25 ms of kernels).
-At decode shapes (few tokens) the column that matters is TB/s: the bytes of the experts the routes touch
-(each read once) over the time, against the copy bandwidth (4.26 TB/s on the H200).
+At decode shapes (few tokens) the column that matters is TB/s: the bytes of the experts the
+routes touch (each read once) over the time, against the copy bandwidth (4.26 TB/s on the
+H200).
 """
 
 import itertools

@@ -6,15 +6,16 @@ contract as `grouped_gemm.grouped_mm`.
 The M tiles are laid out per expert: expert e owns cdiv(count_e, block_m) tiles, numbered after
 those of the experts before it. Each program finds its tile's expert and first row itself from
 the group ends (`program_tile`: a scan over the experts' tile counts in registers); the grid is
-sized by a bound on the tiles, M // block_m + min(E, M), which needs no host read, and
-programs past the last real tile exit at once. (The table this replaced took ~15 small torch
-kernels per call: ~45 us of GPU time, more than the GEMM itself at one token.) Program order (`program_tile`) is expert-major: an expert's programs run
-side by side, N block after N block with its M tiles innermost, so both its rows of x and each
-[block_n, K] tile of its weight are read from memory once and then from L2. (In tile-major
-order, every N block streamed all of x again: at k3-slice prefill, 117 MB of rows 48 times per
-gate-up GEMM, about as many bytes as the weights themselves. On one H200 at k3-slice prefill the
-expert-major order took the GEMMs from 32.1 to 25.7 ms at the same tiles.) Each program computes a
-[block_m, block_n] tile of x[rows] @ w[e].T with fp32 accumulation (`tl.dot`; TF32 for fp32
+sized by a bound on the tiles, M // block_m + min(E, M), which needs no host read, and programs
+past the last real tile exit at once. (The table this replaced took ~15 small torch kernels per
+call: ~45 us of GPU time, more than the GEMM itself at one token.) Program order
+(`program_tile`) is expert-major: an expert's programs run side by side, N block after N block
+with its M tiles innermost, so both its rows of x and each [block_n, K] tile of its weight are
+read from memory once and then from L2. (In tile-major order, every N block streamed all of x
+again: at k3-slice prefill, 117 MB of rows 48 times per gate-up GEMM, about as many bytes as
+the weights themselves. On one H200 at k3-slice prefill the expert-major order took the GEMMs
+from 32.1 to 25.7 ms at the same tiles.) Each program computes a [block_m, block_n] tile of
+x[rows] @ w[e].T with fp32 accumulation (`tl.dot`; TF32 for fp32
 inputs unless TRITON_F32_DEFAULT says otherwise). Runs under TRITON_INTERPRET=1 on CPU.
 Measured on one H200 at k3-slice prefill (`k3batch bench moe --sweep`, 7 layers x 8,192 tokens):
 ~146 rows per expert fill one 128-row tile and 18/128 of a second, so 57% of the computed rows
