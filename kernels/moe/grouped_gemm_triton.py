@@ -15,8 +15,8 @@ read from memory once and then from L2. (In tile-major order, every N block stre
 again: at k3-slice prefill, 117 MB of rows 48 times per gate-up GEMM, about as many bytes as
 the weights themselves. On one H200 at k3-slice prefill the expert-major order took the GEMMs
 from 32.1 to 25.7 ms at the same tiles.) Each program computes a [block_m, block_n] tile of
-x[rows] @ w[e].T with fp32 accumulation (`tl.dot`; TF32 for fp32
-inputs unless TRITON_F32_DEFAULT says otherwise). Runs under TRITON_INTERPRET=1 on CPU.
+x[rows] @ w[e].T with fp32 accumulation (`tl.dot`; TF32 for fp32 inputs unless
+TRITON_F32_DEFAULT says otherwise). Runs under TRITON_INTERPRET=1 on CPU.
 Measured on one H200 at k3-slice prefill (`k3batch bench moe --sweep`, 7 layers x 8,192 tokens):
 ~146 rows per expert fill one 128-row tile and 18/128 of a second, so 57% of the computed rows
 are useful. `block_t` runs each expert's last, partial tile in steps of block_t rows instead

@@ -17,9 +17,9 @@ overhangs K or N (`EVEN`), one multiply per value pair when the scales are small
 (`SMALL_SCALES`), and the placement by multiply of `_e2m1_pairs_bf16`. One H200, k3-slice, 7
 layers (`k3batch bench moe --expert-dtype mxfp4`): 64 tokens 6.4 -> 4.5 ms timed eagerly, 3.6
 ms as CUDA-graph replays once the tile table went (2.53 TB/s on the packed bytes, 59% of the
-copy bandwidth); 8,192 tokens 38.7 -> 28.5 ms (72% of the bf16
-grouped GEMM's throughput). Computing out^T = w x^T instead (the unpacked weights as the MMA's
-register operand) measured slower at both shapes and was dropped.
+copy bandwidth); 8,192 tokens 38.7 -> 28.5 ms (72% of the bf16 grouped GEMM's throughput).
+Computing out^T = w x^T instead (the unpacked weights as the MMA's register operand) measured
+slower at both shapes and was dropped.
 Reference: `reference.grouped_mm_mxfp4_reference` (dequantize, then the loop). Runs under
 TRITON_INTERPRET=1 on CPU.
 Shape legend: M sorted rows, K input width, N output width, E experts.
@@ -31,8 +31,8 @@ import triton.language as tl
 
 from k3kernels.moe.grouped_gemm_triton import (
     _INTERPRETED,
-    launch_config,
     block_e,
+    launch_config,
     num_tile_slots,
     program_tile,
     tile_rows_cols,

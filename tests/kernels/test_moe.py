@@ -386,7 +386,8 @@ def test_tile_slots_bound_every_grouping():
     from k3kernels.moe.grouped_gemm_triton import num_tile_slots
 
     g = torch.Generator().manual_seed(0)
-    for E, M, block_m in ((8, 5, 16), (8, 200, 16), (112, 128, 16), (112, 16384, 128), (3, 64, 64)):
+    cases = ((8, 5, 16), (8, 200, 16), (112, 128, 16), (112, 16384, 128), (3, 64, 64))
+    for E, M, block_m in cases:
         for _ in range(50):
             used = int(torch.randint(0, M + 1, (1,), generator=g))  # rows after offs[-1] unused
             ids = torch.randint(0, E, (used,), generator=g)
