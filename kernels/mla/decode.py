@@ -124,6 +124,11 @@ def mla_decode_kernel(
 # duplicate and the padding that rate would give ~0.31 ms (41% of the copy bandwidth). 80%
 # needs 618 TFLOP/s of useful work: the scores computed once by one warpgroup and handed to both
 # through shared memory (FlashMLA's split), which Triton's dot layouts do not express.
+# The transpose, scores^T = c q^T and acc^T += c^T p^T (tokens, then the latent, as the MMAs'
+# M; heads as N), removes the duplicate: the SASS shows each HGMMA once. It measured slower:
+# 0.80 ms at best (64 heads, 64 tokens, 8 warps, 3 stages) over 30 launch settings, 0.91 ms
+# at 32 heads and 4 warps (the 64-head, 4-warp tile spills its [512, 64] fp32 accumulator, and
+# 128-token tiles overflow shared memory); so this kernel stays as it is.
 # MEASURED is the small-head setting (TP / DCP ranks with <= 16 heads); a default launch the
 # device refuses (out of resources) falls back to it.
 MEASURED = dict(block_h=16, block_n=32, num_warps=4, num_stages=2)
