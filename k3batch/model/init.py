@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from k3batch.model.moe import note_packed_scales_
-from k3kernels.moe.mxfp4 import quantize_mxfp4
+from k3kernels.moe.mxfp4 import quantize_mxfp4, to_word_layout
 
 _OUT_PROJ = ("o_proj", "down_proj", "w2", "routed_expert_up_proj")
 
@@ -69,5 +69,5 @@ def _init_packed_(packed, scale, leaf: str, normal) -> None:
     for e in range(packed.shape[0]):
         w = normal((packed.shape[1], fan_in), std)
         p, s = quantize_mxfp4(w)
-        packed[e].copy_(p)
+        packed[e].copy_(to_word_layout(p))
         scale[e].copy_(s)

@@ -55,7 +55,8 @@ class Experts(nn.Module):
     slices of these (`w1` and `w3` are views). Holds experts [first_expert, first_expert + E):
     0 for the whole model, an expert-parallel rank's range otherwise.
 
-    expert_dtype "mxfp4" keeps them packed as the checkpoint stores them (uint8, no gradient):
+    expert_dtype "mxfp4" keeps them packed (uint8, no gradient; the packed bytes in the W4A16
+    kernel's word layout, `mxfp4.to_word_layout`, the scales as the checkpoint stores them):
     w13_packed [E, 2 I, Din/2] with w13_scale [E, 2 I, ceil(Din/32)], and w2_packed / w2_scale;
     the forward multiplies them through the W4A16 kernel (`k3kernels.moe.w4a16`), ~0.27x the
     bytes of bf16 experts. "bf16" holds them in the model dtype."""

@@ -25,7 +25,12 @@ from k3batch.model.config import K3Config, get_flavor
 from k3batch.model.init import init_random_
 from k3batch.model.k3 import K3Model
 from k3batch.model.moe import note_packed_scales_
-from k3kernels.moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4_stacked, round_to_mxfp4_
+from k3kernels.moe.mxfp4 import (
+    dequantize_mxfp4,
+    quantize_mxfp4_stacked,
+    round_to_mxfp4_,
+    to_word_layout,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -229,8 +234,9 @@ def load_expert_(params: dict, entry: Entry, e: int, t: torch.Tensor, halves: di
                  raw: str, copy_=None) -> str:  # fmt: skip
     """Put one routed-expert checkpoint tensor `t` into row `e` (the local expert) of the
     model's stacked expert parameters; returns the parameter's name. Packed models take MXFP4
-    halves as they are; a bf16 model takes bf16 as it is and dequantizes an MXFP4 pair once
-    both halves are in `halves` (shared across calls). copy_(dst, src, raw) does the copy."""
+    halves (the packed bytes put into the W4A16 kernel's word layout); a bf16 model takes bf16
+    as it is and dequantizes an MXFP4 pair once both halves are in `halves` (shared across
+    calls). copy_(dst, src, raw) does the copy."""
     copy_ = copy_ or (lambda dst, src, _: dst.copy_(src))
     if entry.role in ("packed", "scale") and t.dtype != torch.uint8:
         raise ValueError(f"tensor {raw}: MXFP4 data must be uint8, found {t.dtype}")
@@ -241,7 +247,10 @@ def load_expert_(params: dict, entry: Entry, e: int, t: torch.Tensor, halves: di
                 f"tensor {raw}: the checkpoint stores bf16 experts; load it with "
                 f"expert_dtype 'bf16' (packed experts come from MXFP4 checkpoints)"
             )
-        copy_(expert_rows(params[packed], entry, e), t, raw)
+        rows = expert_rows(params[packed], entry, e)
+        copy_(rows, t, raw)
+        if entry.role == "packed":  # into the W4A16 kernel's word layout, on the rows' device
+            rows.copy_(to_word_layout(rows))
         return packed
     dst = expert_rows(params[entry.param], entry, e)
     if entry.role == "weight":
@@ -267,7 +276,7 @@ def load_weights_(model: K3Model, plan: LoadPlan) -> K3Model:
     """Fill every parameter of `model` from the checkpoint, shard by shard, tensor by tensor.
 
     `plan` comes from `plan_load`, which checked names and shapes; values are cast to the
-    parameter's dtype. Routed experts go through `load_expert_` (packed as stored, or MXFP4
+    parameter's dtype. Routed experts go through `load_expert_` (packed, or MXFP4
     dequantized on the parameter's device once both halves have been read).
     """
     params = dict(model.named_parameters())
@@ -415,8 +424,7 @@ def _export(param: torch.Tensor, entry: Entry, gen, quantized: dict) -> torch.Te
     elif entry.role in ("packed", "scale"):  # all experts of a param are quantized at once
         if entry.param not in quantized:
             quantized.clear()
-            q = quantize_mxfp4_stacked(param)
-            quantized[entry.param] = (q.packed.cpu(), q.scale.cpu())
+            quantized[entry.param] = tuple(t.cpu() for t in quantize_mxfp4_stacked(param))
         packed, scale = quantized[entry.param]  # rows quantize independently: slice after
         half = packed if entry.role == "packed" else scale
         return expert_rows(half, entry, entry.expert).clone()

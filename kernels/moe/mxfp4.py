@@ -11,6 +11,12 @@ Format assumed (our reading of compressed-tensors' `mxfp4-pack-quantized`: its
   value 2^(s - 127) (s = 255 is NaN and never written here). K3's widths are multiples of 32;
   the tiny flavors' are not (in = 24), so a last partial group is allowed (our extension).
 So w[r, c] = fp4(nibble of packed[r, c // 2]) * 2^(scale[r, c // 32] - 127).
+
+In memory (`MXFP4Weight`) the packed bytes take the W4A16 kernel's word layout instead
+(`to_word_layout`, done once at load): each 32-bit word (4 bytes, little-endian: the inputs
+8i..8i+7 of a row) holds the same 8 codes with their bits moved so that the kernel turns a word
+into 4 registers of bf16 pairs in 8 integer instructions instead of 14 (`w4a16.py`). The
+checkpoint's files keep the layout above; only the byte order within each word changes.
 """
 
 from typing import NamedTuple
@@ -30,14 +36,20 @@ MAX_SMALL_SCALE = 128
 
 
 class MXFP4Weight(NamedTuple):
-    """Stacked MXFP4 weights as the checkpoint stores them, one row per output: packed uint8
-    [E, N, K/2] and scale uint8 [E, N, ceil(K/32)]; `shape` is the dequantized [E, N, K].
-    small_scales: every scale byte is <= MAX_SMALL_SCALE (`has_small_scales`, checked once when
-    the weights are loaded); False is always correct, True lets the kernel take its fast path."""
+    """Stacked MXFP4 weights, one row per output: packed uint8 [E, N, K/2] in the kernel's word
+    layout (`to_word_layout`) and scale uint8 [E, N, ceil(K/32)] as the checkpoint stores it;
+    `shape` is the dequantized [E, N, K]. small_scales: every scale byte is <= MAX_SMALL_SCALE
+    (`has_small_scales`, checked once when the weights are loaded); False is always correct,
+    True lets the kernel take its fast path."""
 
     packed: torch.Tensor
     scale: torch.Tensor
     small_scales: bool = False
+
+    @classmethod
+    def from_checkpoint(cls, packed: torch.Tensor, scale: torch.Tensor) -> "MXFP4Weight":
+        """From the checkpoint's layout (`quantize_mxfp4`'s output); reads the scales once."""
+        return cls(to_word_layout(packed), scale, has_small_scales(scale))
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -45,7 +57,57 @@ class MXFP4Weight(NamedTuple):
         return E, N, 2 * half
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        return dequantize_mxfp4(self.packed, self.scale, dtype=dtype)
+        return dequantize_mxfp4(from_word_layout(self.packed), self.scale, dtype=dtype)
+
+
+# The word layout. Code i of a word (input 8w + i; bits m, e0, e1, s = code bits 0..3) sits at
+# these bit positions of the little-endian word. The kernel's registers: codes (0, 2) masked in
+# place; (4, 6) and (1, 3) rotated right by 3 and 6, then masked; (5, 7) masked, placed by one
+# multiply, masked (`w4a16._e2m1_words_bf16`). Each lands with m, e0, e1 at bits 6..8 and s at
+# bit 15 of its half (low half: codes 0, 4, 1, 5): the bf16 pattern of code * 2^-126.
+WORD_BITS = (
+    (6, 7, 8, 15),  # code 0
+    (12, 13, 14, 21),  # 1
+    (22, 23, 24, 31),  # 2
+    (28, 29, 30, 5),  # 3
+    (9, 10, 11, 18),  # 4
+    (3, 4, 0, 1),  # 5
+    (25, 26, 27, 2),  # 6
+    (19, 20, 16, 17),  # 7
+)
+_WORD_PERM = [WORD_BITS[i][b] for i in range(8) for b in range(4)]  # checkpoint bit 4i + b
+
+
+def _bits(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> its bits [..., K/8, 32] (bit p of each little-endian word)."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed FP4 data must be uint8, got {packed.dtype}")
+    if packed.shape[-1] % 4:
+        raise ValueError(f"the word layout needs inputs in multiples of 8, got "
+                         f"{2 * packed.shape[-1]}")  # fmt: skip
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    bits = (packed[..., None] >> shifts) & 1
+    return bits.reshape(*packed.shape[:-1], -1, 32)
+
+
+def _bytes(bits: torch.Tensor) -> torch.Tensor:
+    """Inverse of `_bits`."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    packed = (bits.reshape(*bits.shape[:-2], -1, 8) << shifts).sum(-1, dtype=torch.uint8)
+    return packed
+
+
+def to_word_layout(packed: torch.Tensor) -> torch.Tensor:
+    """Checkpoint bytes [..., K/2] -> the kernel's word layout (same shape, a new tensor)."""
+    bits = _bits(packed)
+    out = torch.empty_like(bits)
+    out[..., _WORD_PERM] = bits
+    return _bytes(out)
+
+
+def from_word_layout(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `to_word_layout`."""
+    return _bytes(_bits(packed)[..., _WORD_PERM])
 
 
 def has_small_scales(*scales: torch.Tensor) -> bool:
@@ -139,20 +201,20 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_fp4(codes.flatten(-2)[..., :in_size]), scale
 
 
-def quantize_mxfp4_stacked(w_EOI: torch.Tensor, max_elems: int = 2**26) -> MXFP4Weight:
+def quantize_mxfp4_stacked(w_EOI: torch.Tensor, max_elems: int = 2**26):
     """`quantize_mxfp4` of stacked experts [E, out, in] on their device, a few experts at a
-    time so that the fp32 temporaries stay near max_elems elements."""
+    time so that the fp32 temporaries stay near max_elems elements: (packed, scale) in the
+    checkpoint's layout."""
     step = max(1, max_elems // w_EOI[0].numel())
     parts = [quantize_mxfp4(chunk) for chunk in w_EOI.detach().split(step)]
-    scale = torch.cat([s for _, s in parts])
-    return MXFP4Weight(torch.cat([p for p, _ in parts]), scale, has_small_scales(scale))
+    return torch.cat([p for p, _ in parts]), torch.cat([s for _, s in parts])
 
 
 @torch.no_grad()
 def round_to_mxfp4_(w_EOI: torch.Tensor) -> MXFP4Weight:
     """Replace stacked experts [E, out, in] by their MXFP4-rounded values, in place, one expert
     at a time; returns the packed weights (dequantizing them gives `w_EOI` back exactly)."""
-    q = quantize_mxfp4_stacked(w_EOI)
+    packed, scale = quantize_mxfp4_stacked(w_EOI)
     for e in range(w_EOI.shape[0]):
-        w_EOI[e].copy_(dequantize_mxfp4(q.packed[e], q.scale[e], dtype=w_EOI.dtype))
-    return q
+        w_EOI[e].copy_(dequantize_mxfp4(packed[e], scale[e], dtype=w_EOI.dtype))
+    return MXFP4Weight.from_checkpoint(packed, scale)

@@ -69,14 +69,14 @@ def experts_reference(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, be
 def grouped_mm_mxfp4_reference(x_MK, w, offs_E):
     """The W4A16 grouped GEMM's oracle: MXFP4 weights `w` (`mxfp4.MXFP4Weight`) dequantized
     to fp32, then rows [offs[e-1], offs[e]) of x times expert e's weight, fp32 [offs[-1], N]."""
-    from k3kernels.moe.mxfp4 import dequantize_mxfp4
+    from k3kernels.moe.mxfp4 import MXFP4Weight
 
     x = x_MK.float()
     out = torch.zeros(int(offs_E[-1]), w.packed.shape[1], dtype=torch.float32, device=x.device)
     start = 0
     for e, end in enumerate(offs_E.tolist()):
         if end > start:
-            we = dequantize_mxfp4(w.packed[e], w.scale[e], dtype=torch.float32)
+            we = MXFP4Weight(w.packed[e], w.scale[e]).dequantize(torch.float32)
             out[start:end] = x[start:end] @ we.t()
         start = end
     return out

@@ -6,20 +6,25 @@ times a power of two is a bf16 number) and multiplies on the bf16 tensor cores. 
 tile table and launch settings as the bf16 Triton grouped GEMM (`grouped_gemm_triton`): rows
 [offs[e-1], offs[e]) of x times expert e's weight, rows after offs[-1] left unwritten.
 
-Byte j of a packed row holds input 2j (low nibble) and 2j+1 (high nibble), so a tile of
-BLOCK_K inputs is BLOCK_K / 2 bytes: the program multiplies the even inputs of x by the low
-nibbles and the odd inputs by the high ones, two dots of BLOCK_K / 2, instead of interleaving.
-E2M1 code c: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0; built as fp32 bits.
-On the GPU the unpacking is bound by instruction issue, not by HBM: at the decode tiles the
-loop spends ~3.6 instructions per weight (SASS: 2.25 to unpack and scale, ~0.25 to pack the
-scales into bf16 pairs, the rest loads, MMAs and addresses). Hence: masks only when a tile
-overhangs K or N (`EVEN`), one multiply per value pair when the scales are small
-(`SMALL_SCALES`), and the placement by multiply of `_e2m1_pairs_bf16`. One H200, k3-slice, 7
-layers (`k3batch bench moe --expert-dtype mxfp4`): 64 tokens 6.4 -> 4.5 ms timed eagerly, 3.6
-ms as CUDA-graph replays once the tile table went (2.53 TB/s on the packed bytes, 59% of the
-copy bandwidth); 8,192 tokens 38.7 -> 28.5 ms (72% of the bf16 grouped GEMM's throughput).
-Computing out^T = w x^T instead (the unpacked weights as the MMA's register operand) measured
-slower at both shapes and was dropped.
+Byte j of a packed row holds inputs 2j and 2j+1, so a tile of BLOCK_K inputs is BLOCK_K / 2
+bytes: the program multiplies the even inputs of x by one half of the codes and the odd inputs
+by the other, two dots of BLOCK_K / 2, instead of interleaving. The bits of each 4-byte word
+are in the word layout (`mxfp4.to_word_layout`, done at load), chosen for the unpacking.
+On the GPU the unpacking is bound by instruction issue, not by HBM. At the decode tiles the
+loop's SASS had ~3.4 instructions per weight with the checkpoint's nibbles (2.25 to unpack and
+scale: per 4 values a byte permute, then per nibble pair a mask, a multiply that placed the
+bits, a mask and the scale's multiply; ~0.4 in byte permutes that split x into even and odd
+inputs and built the scales' bf16 pairs; the rest loads, MMAs and addresses). With the word
+layout a word of 8 codes takes 8 integer instructions (`_e2m1_words_bf16`) and the scales come
+as bf16 pairs from one integer multiply-add per group: 879 -> 688 instructions per loop
+iteration at 16 x 128 x 256 tiles (2.7 per weight). Also: masks only when a tile overhangs K or
+N (`EVEN`), one multiply per value pair when the scales are small (`SMALL_SCALES`). Loading x's
+even and odd inputs apart (a layout with each tile's halves in the two nibble sets) compiled
+to more instructions (register moves into the MMA operands), and computing out^T = w x^T (the
+unpacked weights as the MMA's register operand) measured slower, so neither was kept.
+One H200, k3-slice, 7 layers (`k3batch bench moe --expert-dtype mxfp4`), before the word
+layout: 64 tokens 3.40 ms as CUDA-graph replays (2.68 TB/s on the packed bytes, 63% of the
+copy bandwidth); 8,192 tokens 28.5 ms (72% of the bf16 grouped GEMM's throughput).
 Reference: `reference.grouped_mm_mxfp4_reference` (dequantize, then the loop). Runs under
 TRITON_INTERPRET=1 on CPU.
 Shape legend: M sorted rows, K input width, N output width, E experts.
@@ -52,47 +57,82 @@ def _e2m1_times_scale(code, scale_bits):
 
 
 @triton.jit
-def _e2m1_pairs_bf16(q, scale):
-    """bf16 values of the low and high nibbles of bytes q (uint8) times 2^-126 scale (scale:
-    bf16, one per byte), in PTX on packed bf16 pairs (sm_90). A byte pair is spread into the
-    two halves of a register t (prmt). Per nibble: masked out of t, placed by one multiply
-    (low nibble: t * (2^6 + 2^12) puts its exponent-mantissa bits at 6..8 and its sign at 15 of
-    each half; high nibble: * (2^2 + 2^8); the two shifted copies do not overlap, so no carry),
-    masked again: a bf16 bit pattern whose value is code * 2^-126 (exact: small codes land on
-    subnormals, which bf16 arithmetic keeps); then one multiply by scale. With scale = 2^126 *
-    2^(s - 127) = 2^(s - 1), a normal bf16 number while s <= 128 (`MXFP4Weight.small_scales`),
-    that is the weight: 9 instructions per 4 values, against ~12 per value for the integer path
-    of `_e2m1_times_scale`."""
+def _e2m1_words_bf16(q, scale):
+    """bf16 values of the even and odd inputs of packed bytes q (uint8, the word layout of
+    `mxfp4.WORD_BITS`, 4 consecutive bytes = one word) times 2^-126 scale (scale: int32, a
+    bf16 pair per byte, both halves the group's), in PTX on packed bf16 pairs (sm_90). Codes 0
+    and 2 of a word are already where a bf16 pair wants them (m, e0, e1 at bits 6..8 and s at 15
+    of each half: the pattern of code * 2^-126, exact: small codes land on subnormals, which
+    bf16 arithmetic keeps), so one mask; codes 4, 6 and 1, 3 after a rotation; codes 5, 7 are
+    masked, placed by one multiply (by 2^3 + 2^8 + 2^14; the shifted copies do not overlap,
+    so no carry) and masked again. Then one multiply by the scale: 2^126 * 2^(s - 127) =
+    2^(s - 1), a normal bf16 number while s <= 128 (`MXFP4Weight.small_scales`). 12
+    instructions per 8 values."""
     return tl.inline_asm_elementwise(
         asm="""
         {
-        .reg .b32 t, a, b;
-        prmt.b32 t, $4, 0, 0x4140;
-        and.b32 a, t, 0x000F000F;
-        mul.lo.u32 a, a, 0x1040;
-        and.b32 a, a, 0x81C081C0;
-        mul.rn.bf16x2 $0, a, $5;
-        and.b32 b, t, 0x00F000F0;
-        mul.lo.u32 b, b, 0x0104;
-        and.b32 b, b, 0x81C081C0;
-        mul.rn.bf16x2 $2, b, $5;
-        prmt.b32 t, $4, 0, 0x4342;
-        and.b32 a, t, 0x000F000F;
-        mul.lo.u32 a, a, 0x1040;
-        and.b32 a, a, 0x81C081C0;
-        mul.rn.bf16x2 $1, a, $6;
-        and.b32 b, t, 0x00F000F0;
-        mul.lo.u32 b, b, 0x0104;
-        and.b32 b, b, 0x81C081C0;
-        mul.rn.bf16x2 $3, b, $6;
+        .reg .b32 t;
+        and.b32 t, $4, 0x81C081C0;
+        mul.rn.bf16x2 $0, t, $5;
+        shf.r.wrap.b32 t, $4, $4, 3;
+        and.b32 t, t, 0x81C081C0;
+        mul.rn.bf16x2 $1, t, $5;
+        shf.r.wrap.b32 t, $4, $4, 6;
+        and.b32 t, t, 0x81C081C0;
+        mul.rn.bf16x2 $2, t, $5;
+        and.b32 t, $4, 0x001B001B;
+        mul.lo.u32 t, t, 0x4108;
+        and.b32 t, t, 0x81C081C0;
+        mul.rn.bf16x2 $3, t, $5;
         }
         """,
-        constraints="=r,=r,=r,=r,r,r,r",
+        constraints="=r,=r,=r,=r,r,r,r,r,r",
         args=[q, scale],
         dtype=(tl.bfloat16, tl.bfloat16),
         is_pure=True,
         pack=4,
     )
+
+
+@triton.jit
+def _code(word, P_M: tl.constexpr, P_E0: tl.constexpr, P_E1: tl.constexpr, P_S: tl.constexpr):
+    """The 4-bit code whose bits m, e0, e1, s sit at those positions of the int32 words."""
+    return (((word >> P_M) & 1) | (((word >> P_E0) & 1) << 1) | (((word >> P_E1) & 1) << 2)
+            | (((word >> P_S) & 1) << 3))  # fmt: skip
+
+
+@triton.jit
+def _quad(a, b, c, d):
+    """[W, N] x 4 -> [4 W, N]: row 4 w + i of the result is row w of the i-th input."""
+    x = tl.join(tl.join(a, b), tl.join(c, d))  # [W, N, 2, 2]: [..., i % 2, i // 2]
+    x = tl.permute(x, (0, 3, 2, 1))
+    return tl.reshape(x, [4 * a.shape[0], a.shape[1]])
+
+
+@triton.jit
+def _words_fp32(q_cols, k0, col_ok, s_cols, K, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_N: tl.constexpr):  # fmt: skip
+    """The integer path (fp32 activations, and the CPU interpreter): fp32 weights of the even
+    and odd inputs [BLOCK_K / 2, BLOCK_N] from the words of the tile at input k0, each code
+    read from its `mxfp4.WORD_BITS` positions and times 2^(s - 127)."""
+    ww = tl.arange(0, BLOCK_K // 8)  # word within the tile: inputs k0 + 8 ww + 0..7
+    w_ok = (k0 // 8 + ww < K // 8)[:, None] & col_ok[None, :]
+    byte = q_cols[None, :] + (k0 // 2 + 4 * ww)[:, None]
+    word = tl.load(byte, mask=w_ok, other=0).to(tl.int32)
+    for i in tl.static_range(1, 4):
+        word |= tl.load(byte + i, mask=w_ok, other=0).to(tl.int32) << (8 * i)
+    s = tl.load(s_cols[None, :] + (k0 // GROUP + ww // (GROUP // 8))[:, None], mask=w_ok,
+                other=127).to(tl.int32)  # fmt: skip
+    sb = tl.where(s > 0, s << 23, 1 << 22)  # 2^(s - 127); s = 0: subnormal
+    w_even = _quad(_e2m1_times_scale(_code(word, 6, 7, 8, 15), sb),
+                   _e2m1_times_scale(_code(word, 22, 23, 24, 31), sb),
+                   _e2m1_times_scale(_code(word, 9, 10, 11, 18), sb),
+                   _e2m1_times_scale(_code(word, 25, 26, 27, 2), sb))  # fmt: skip
+    w_odd = _quad(_e2m1_times_scale(_code(word, 12, 13, 14, 21), sb),
+                  _e2m1_times_scale(_code(word, 28, 29, 30, 5), sb),
+                  _e2m1_times_scale(_code(word, 3, 4, 0, 1), sb),
+                  _e2m1_times_scale(_code(word, 19, 20, 16, 17), sb))  # fmt: skip
+    return w_even, w_odd
 
 
 @triton.jit
@@ -120,39 +160,37 @@ def w4a16_grouped_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, stride_x,
         s_cols = s_ptr + expert.to(tl.int64) * stride_se + cols.to(tl.int64) * stride_sn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            # Weight tiles [BLOCK_K / 2, BLOCK_N], indices written so that the compiler sees
-            # contiguous runs (vector loads): bytes k0/2 + jj, scale groups k0/GROUP + jj/(GROUP/2),
-            # inputs k0 + kk.
-            q_ptrs = q_cols[None, :] + (k0 // 2 + jj)[:, None]
-            wmask = (k0 // 2 + jj < K // 2)[:, None] & col_ok[None, :]
-            if EVEN:
-                q = tl.load(q_ptrs)
-            else:
-                q = tl.load(q_ptrs, mask=wmask, other=0)
-            if PTX:  # bf16 activations on the GPU: one scale row per group, spread over its bytes
+            if PTX:  # bf16 activations on the GPU
+                # Weight tiles [BLOCK_K / 2, BLOCK_N], indices written so that the compiler
+                # sees contiguous runs (vector loads): bytes k0/2 + jj, inputs k0 + kk.
+                q_ptrs = q_cols[None, :] + (k0 // 2 + jj)[:, None]
+                if EVEN:
+                    q = tl.load(q_ptrs)
+                else:
+                    q = tl.load(q_ptrs, mask=(k0 // 2 + jj < K // 2)[:, None] & col_ok[None, :],
+                                other=0)  # fmt: skip
+                # one scale row per group, as bf16 pairs (s + 126) << 7 in both halves: 2^(s - 1)
+                # (the unpacking's 2^-126 folded in), spread over the group's bytes
                 gg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
                 s_ptrs = s_cols[None, :] + gg[:, None]
                 g_ok = (gg < tl.cdiv(K, GROUP))[:, None] & col_ok[None, :]
                 if EVEN:
-                    s = tl.load(s_ptrs).to(tl.int16)
+                    s = tl.load(s_ptrs).to(tl.int32)
                 else:
-                    s = tl.load(s_ptrs, mask=g_ok, other=127).to(tl.int16)
-                if SMALL_SCALES:  # 2^(s - 1): the unpacking's 2^126 folded into the scale
-                    s = ((s + 126) << 7).to(tl.bfloat16, bitcast=True)
+                    s = tl.load(s_ptrs, mask=g_ok, other=127).to(tl.int32)
+                if SMALL_SCALES:
+                    pair = s * 0x00800080 + 0x3F003F00
                 else:  # 2^126 there, then 2^(s - 127) (s = 0: a subnormal) as a second product
-                    s_exact = tl.where(s > 0, s << 7, 64).to(tl.bfloat16, bitcast=True)
-                    s = tl.full(s.shape, 0x7E80, tl.int16).to(tl.bfloat16, bitcast=True)
-                w_even, w_odd = _e2m1_pairs_bf16(q, _per_byte(s, GROUP, BLOCK_N, BLOCK_K))
+                    s_exact = tl.where(s > 0, s << 7, 64).to(tl.int16).to(tl.bfloat16,
+                                                                          bitcast=True)
+                    pair = tl.full(s.shape, 0x7E807E80, tl.int32)
+                w_even, w_odd = _e2m1_words_bf16(q, _per_byte(pair, GROUP, BLOCK_N, BLOCK_K))
                 if not SMALL_SCALES:
                     s_exact = _per_byte(s_exact, GROUP, BLOCK_N, BLOCK_K)
                     w_even, w_odd = w_even * s_exact, w_odd * s_exact
             else:
-                q = q.to(tl.int32)
-                s_ptrs = s_cols[None, :] + (k0 // GROUP + jj // (GROUP // 2))[:, None]
-                s = tl.load(s_ptrs, mask=wmask, other=127).to(tl.int32)
-                scale_bits = tl.where(s > 0, s << 23, 1 << 22)  # 2^(s - 127); s = 0: subnormal
-                w_even = _e2m1_times_scale(q & 15, scale_bits)
-                w_odd = _e2m1_times_scale(q >> 4, scale_bits)
+                w_even, w_odd = _words_fp32(q_cols, k0, col_ok, s_cols, K, GROUP, BLOCK_K,
+                                            BLOCK_N)  # fmt: skip
             if EVEN:
                 xmask = row_ok[:, None]
             else:
@@ -172,15 +210,16 @@ def w4a16_grouped_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, stride_x,
 def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
                      **config) -> torch.Tensor:  # fmt: skip
     """out[r] = x[r] @ dequantize(w[e]).T for the rows r of group e; x [M, K] (unit last
-    stride), w: packed [E, N, K/2] and scale [E, N, ceil(K/32)] uint8 with unit last strides,
-    offs [E] int32 cumulative group ends. Rows after offs[-1] are left unwritten.
+    stride), w: packed [E, N, K/2] (word layout) and scale [E, N, ceil(K/32)] uint8 with unit
+    last strides, K a multiple of 8, offs [E] int32 cumulative group ends. Rows after offs[-1] are left unwritten.
     config: block_m, block_n, block_k, num_warps, num_stages (default `launch_config`)."""
     E, N, K = w.shape
     if x_MK.shape[1] != K or x_MK.stride(-1) != 1:
         raise ValueError(f"x {list(x_MK.shape)} does not match MXFP4 weights of {K} inputs "
                          f"(or its last stride is not 1)")  # fmt: skip
-    if w.packed.stride(-1) != 1 or w.scale.stride(-1) != 1:
-        raise ValueError("MXFP4 packed values and scales need unit last strides")
+    if w.packed.stride(-1) != 1 or w.scale.stride(-1) != 1 or K % 8:
+        raise ValueError(f"MXFP4 packed values and scales need unit last strides and a width "
+                         f"that is a multiple of 8 (K = {K})")  # fmt: skip
     M = x_MK.shape[0]
     cfg = launch_config(M, E, "mxfp4") | config
     if cfg["block_k"] % GROUP_SIZE:

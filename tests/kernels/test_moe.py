@@ -67,7 +67,7 @@ def _check_experts(shape, dtype, device, use_triton, gemm_impl="torch", mxfp4=Fa
     if mxfp4:
         from k3kernels.moe.mxfp4 import MXFP4Weight, quantize_mxfp4
 
-        w13, w2 = (MXFP4Weight(*quantize_mxfp4(t)) for t in (w13, w2))
+        w13, w2 = (MXFP4Weight.from_checkpoint(*quantize_mxfp4(t)) for t in (w13, w2))
         ref = R.experts_reference(x, w13.dequantize(dtype), w2.dequantize(dtype), ids, w, **kw)
     else:
         ref = R.experts_reference(x, w13, w2, ids, w, **kw)
@@ -148,7 +148,7 @@ def _check_grouped_mm_mxfp4(device, M=150, K=64, N=40, tol_bf16=5e-3, big=False,
     groups, groups longer than one row tile, unused rows at the end; K = 48 has a partial last
     scale group. Dequantized MXFP4 values are exact, so only the output rounding differs.
     big: weights up to ~2^20, scales past `MAX_SMALL_SCALE` (the kernel's exact path)."""
-    from k3kernels.moe.mxfp4 import MXFP4Weight, has_small_scales, quantize_mxfp4
+    from k3kernels.moe.mxfp4 import MXFP4Weight, quantize_mxfp4
     from k3kernels.moe.reference import grouped_mm_mxfp4_reference
     from k3kernels.moe.w4a16 import grouped_mm_mxfp4
 
@@ -158,7 +158,7 @@ def _check_grouped_mm_mxfp4(device, M=150, K=64, N=40, tol_bf16=5e-3, big=False,
     # Scales vary per row and group (factors 2^-3 .. 2^3), as real experts' do.
     w = torch.randn(E, N, K, generator=g) * 2.0 ** torch.randint(-3, 4, (E, N, 1), generator=g)
     packed, scale = quantize_mxfp4(w * (2.0**20 if big else K**-0.5))
-    wq = MXFP4Weight(packed.to(device), scale.to(device), has_small_scales(scale))
+    wq = MXFP4Weight.from_checkpoint(packed.to(device), scale.to(device))
     assert wq.small_scales != big
     cut = M * 14 // 15
     offs = torch.tensor([3, 3, cut // 2, cut, cut], dtype=torch.int32, device=device)
@@ -178,9 +178,10 @@ def test_grouped_mm_mxfp4_reference_is_dequantize_then_matmul():
 
     g = torch.Generator().manual_seed(6)
     x, w = torch.randn(10, 64, generator=g), torch.randn(2, 8, 64, generator=g)
-    wq = MXFP4Weight(*quantize_mxfp4(w))
+    packed, scale = quantize_mxfp4(w)
+    wq = MXFP4Weight.from_checkpoint(packed, scale)
     offs = torch.tensor([4, 10], dtype=torch.int32)
-    wd = dequantize_mxfp4(wq.packed, wq.scale)
+    wd = dequantize_mxfp4(packed, scale)
     ref = torch.cat([x[:4] @ wd[0].t(), x[4:] @ wd[1].t()])
     assert torch.equal(grouped_mm_mxfp4_reference(x, wq, offs), ref)
 

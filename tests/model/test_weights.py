@@ -112,8 +112,9 @@ def test_weights_roundtrip_logits_equal(written, loaded, flavor):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weights_packed_experts_match_dequantized(written, loaded, dtype):
     """A K3 checkpoint's MXFP4 experts loaded packed (the default) and dequantized at load:
-    the packed halves equal the files' (their scales noted small), ~0.27x the bytes of bf16 experts, and the logits
-    and greedy tokens are identical (dequantized MXFP4 values are exact in fp32 and bf16)."""
+    the packed halves decode to the files' values (their scales noted small), ~0.27x the bytes
+    of bf16 experts, and the logits and greedy tokens are identical (dequantized MXFP4 values
+    are exact in fp32 and bf16)."""
     from k3batch.engine.config import EngineConfig
     from k3batch.engine.engine import Engine
     from k3batch.engine.request import SamplingParams
