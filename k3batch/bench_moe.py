@@ -207,8 +207,9 @@ def sweep_configs(decode: bool, tails: bool = False) -> list[dict]:
     """Launch configs of the Triton grouped GEMMs (bf16 and W4A16) that `--sweep` times; with
     tails (the bf16 kernel) also prefill tiles with `block_t` (see `grouped_mm_triton`)."""
     keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
-    if decode:  # 256-wide columns: the W4A16 loop compiled for sm_90 at 16 x 256 x 128 has 5%
-        # fewer instructions per weight than at 16 x 128 x 256 and 163 registers, not 228
+    if decode:  # 256-wide columns: fewer W4A16 instructions per weight in the SASS and fewer
+        # registers than 16 x 128 x 256, but slower on the H200 (3.24-3.51 ms against 2.90 at
+        # 64 tokens, 8630319)
         grid = itertools.product((16,), (32, 64, 128, 256), (64, 128, 256), (2, 4), (2, 3, 4))
         return [dict(zip(keys, values)) for values in grid]
     grid = itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
