@@ -2,9 +2,10 @@
 placement groups and Ray's autoscaler are real; no model runs).
 
 - From zero worker nodes (`SimulatedCluster`, Ray's fake multi-node autoscaler): the job asks
-  for GPU nodes because its spec does (`device = "auto"`, an accelerator type), starts on the
-  first replica before the second is up, reaches `max`, drains at the tail (the node of a
-  released replica goes while the last row still runs) and writes every row exactly once.
+  for GPU nodes because its spec does (`device = "auto"`, an accelerator type), starts when
+  the first replica is up (not waiting for the second), reaches `max`, drains at the tail (the
+  node of a released replica goes while the last row still runs) and writes every row exactly
+  once.
 - One request per replica: two replicas of three GPU bundles each (pp = 1, tp = 2) on a node
   with four GPUs (room for one and a half): one runs, the other waits holding nothing. (The
   old driver asked for a replica's prefill and decode groups separately: 1 + 2 + 1 of the 4
@@ -15,6 +16,7 @@ placement groups and Ray's autoscaler are real; no model runs).
 Each test starts and stops its own cluster, so the module skips when Ray is already connected.
 """
 
+import os
 import tempfile
 import threading
 import time
@@ -46,6 +48,8 @@ def _no_ray_yet():
 @pytest.fixture
 def fixed_cluster():
     """A head that runs nothing but tokenize tasks (1 CPU, no GPU); tests add worker nodes."""
+    # Cluster() writes the head's address into Ray's default temp dir, which it does not create
+    os.makedirs(os.path.dirname(ray._private.utils.get_ray_address_file(None)), exist_ok=True)
     cluster = Cluster(
         initialize_head=True,
         head_node_args=dict(
@@ -104,7 +108,9 @@ def test_elastic_job_scales_from_zero_nodes_to_max_and_back(tmp_path):
     assert sorted(ids) == sorted(f"r{i}" for i in range(n)) and report["rows_with_error"] == 0
     first_up = next(t for t, k in replicas if k >= 1)
     max_up = next(t for t, k in replicas if k == 2)
-    assert report["stage_s"]["startup"] <= first_up + 1.0 < max_up, replicas  # started on one
+    # the job's clock starts with the first replica (how long after it the second comes up
+    # depends on the machine's load: both nodes are launched at once)
+    assert report["stage_s"]["startup"] <= first_up + 1.0, replicas
     assert all(k > 0 for k in report["rows_per_replica"]) and len(report["rows_per_replica"]) == 2
     # the tail: one replica released while the last row still runs, its node removed
     assert any(k == 1 and max_up < t < result["job_end_s"] for t, k in replicas), replicas

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 SAMPLE_S = 0.5
+IDLE_TIMEOUT_S = 10.0
 NODE_TYPE = "gpu_sim"
 
 
@@ -66,7 +67,10 @@ def run_elastic(work: Path, *, rows: int, max_replicas: int, token_s: float, tai
     )
     node = {"resources": {"CPU": 2, "GPU": 1, "accelerator_type:SIM": 1},
             "max_workers": max_replicas}  # fmt: skip
-    cluster = SimulatedCluster({NODE_TYPE: node}, idle_timeout_s=3.0)
+    # A node idle this long goes. Its clock starts at launch: with 3 s, on a loaded 2-core
+    # machine a node could go before its replica's group was placed on it (CI: the second
+    # node came and went twice and the job ended on one replica).
+    cluster = SimulatedCluster({NODE_TYPE: node}, idle_timeout_s=IDLE_TIMEOUT_S)
     nodes: list[tuple[float, int]] = []
     stop = threading.Event()
     try:

@@ -41,17 +41,21 @@ def debug_ckpt(tmp_path_factory):
     return str(path)
 
 
-def _full_forward_logliks(model, record) -> list[tuple[float, bool]]:
-    """(sum of log-softmax over the continuation, greedy) per choice, from one forward."""
+def _full_forward_logliks(model, record, memo: dict) -> list[tuple[float, bool]]:
+    """(sum of log-softmax over the continuation, greedy) per choice, from one forward per
+    prompt (memo: prompt and continuation length -> result, shared by the runs of a test)."""
     out = []
     for choice in record["choices"]:
         ids = record["_prompt"][choice["_c"]]
         n = len(choice["token_ids"])
-        with torch.no_grad():
-            lp = torch.log_softmax(model(torch.tensor([ids]))[0].double(), dim=-1)
-        rows, tgt = lp[len(ids) - n - 1 : -1], torch.tensor(ids[-n:])
-        out.append((float(rows.gather(-1, tgt[:, None]).sum()),
-                    bool((rows.argmax(-1) == tgt).all())))  # fmt: skip
+        key = (tuple(ids), n)
+        if key not in memo:
+            with torch.no_grad():
+                lp = torch.log_softmax(model(torch.tensor([ids]))[0].double(), dim=-1)
+            rows, tgt = lp[len(ids) - n - 1 : -1], torch.tensor(ids[-n:])
+            memo[key] = (float(rows.gather(-1, tgt[:, None]).sum()),
+                         bool((rows.argmax(-1) == tgt).all()))  # fmt: skip
+        out.append(memo[key])
     return out
 
 
@@ -71,7 +75,7 @@ def test_loglik_equals_full_forward_cache_on_and_off(cluster, debug_ckpt, tmp_pa
     suite = load_suite(make_mc_suite(tmp_path / "suite", 2, num_fewshot=1))
     model = k3batch.load_model(debug_ckpt, dtype=torch.float32, device="cpu")
     settings = {"cache-off": {"prefix_cache": False}, "cache-on": {}}
-    records = {}
+    records, memo = {}, {}
     for name, engine in settings.items():
         out = tmp_path / name
         res = run_eval(suite, make_job(debug_ckpt, out, f"ll-{name}", **engine))
@@ -82,7 +86,8 @@ def test_loglik_equals_full_forward_cache_on_and_off(cluster, debug_ckpt, tmp_pa
             rec["_prompt"] = {c: prompts[("mc", rec["item"], c)] for c in range(4)}
             for c, choice in enumerate(rec["choices"]):
                 choice["_c"] = c
-            for choice, (ll, greedy) in zip(rec["choices"], _full_forward_logliks(model, rec)):
+            full = _full_forward_logliks(model, rec, memo)
+            for choice, (ll, greedy) in zip(rec["choices"], full):
                 worst = max(worst, abs(choice["loglik"] - ll))
                 assert choice["is_greedy"] == greedy
         print(f"{name}: max |loglik - full forward| = {worst:.2e}")

@@ -86,39 +86,51 @@ class Recorder:
 
 
 def compile_specs(specs: list[dict], sass: bool = False) -> list[str]:
-    """Compile each spec for sm_90 (GPU values of interpreter-only constexprs); returns one
-    line per failure: kernel, constexprs and the compiler's message. sass: also print each
-    kernel's registers, shared memory and the instruction mix of its main loop (`loop_mix`)."""
+    """Compile each spec for sm_90 (GPU values of interpreter-only constexprs), one process
+    per CPU (ptxas runs single-threaded; ~60 launches took ~40 s one by one on 2 cores);
+    returns one line per failure: kernel, constexprs and the compiler's message. sass: also
+    print each kernel's registers, shared memory and the instruction mix of its main loop
+    (`loop_mix`)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    workers = max(1, min(len(specs), os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers) as pool:
+        done = list(pool.map(_compile_one, specs, [sass] * len(specs)))
+    for _, line in done:
+        if line:
+            print(line)
+    return [failure for failure, _ in done if failure]
+
+
+def _compile_one(spec: dict, sass: bool) -> tuple[str | None, str | None]:
+    """(failure line or None, SASS summary line or None) of one spec."""
     import importlib
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    failures = []
-    for spec in specs:
-        kernel = getattr(importlib.import_module(spec["module"]), spec["kernel"])
-        sig = spec["signature"]
-        consts = {k: GPU_VALUES[k](sig) if k in GPU_VALUES else v
-                  for k, v in spec["constexprs"].items()}  # fmt: skip
-        names = kernel.arg_names
-        full = {n: sig.get(n, "constexpr") for n in names}
-        src = ASTSource(kernel, full, constexprs={(names.index(k),): v for k, v in consts.items()})
-        try:
-            out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                 options={"num_warps": spec["num_warps"],
-                                          "num_stages": spec["num_stages"]})  # fmt: skip
-        except Exception as e:  # the message is the test's output
-            failures.append(f"{spec['module']}.{spec['kernel']} {consts}: "
-                            f"{type(e).__name__}: {str(e)[-1500:]}")  # fmt: skip
-            continue
-        if sass:
-            regs, total, mix = loop_mix(out.asm["cubin"])
-            loop = f"main loop {total} instructions: {mix}" if total else "no loop"
-            print(f"{spec['kernel']} {consts} warps {spec['num_warps']} stages "
+    kernel = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+    sig = spec["signature"]
+    consts = {k: GPU_VALUES[k](sig) if k in GPU_VALUES else v
+              for k, v in spec["constexprs"].items()}  # fmt: skip
+    names = kernel.arg_names
+    full = {n: sig.get(n, "constexpr") for n in names}
+    src = ASTSource(kernel, full, constexprs={(names.index(k),): v for k, v in consts.items()})
+    try:
+        out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": spec["num_warps"],
+                                      "num_stages": spec["num_stages"]})  # fmt: skip
+    except Exception as e:  # the message is the test's output
+        return (f"{spec['module']}.{spec['kernel']} {consts}: "
+                f"{type(e).__name__}: {str(e)[-1500:]}"), None  # fmt: skip
+    if not sass:
+        return None, None
+    regs, total, mix = loop_mix(out.asm["cubin"])
+    loop = f"main loop {total} instructions: {mix}" if total else "no loop"
+    return None, (f"{spec['kernel']} {consts} warps {spec['num_warps']} stages "
                   f"{spec['num_stages']}: {regs} registers, {out.metadata.shared} B shared; "
                   f"{loop}")  # fmt: skip
-    return failures
 
 
 def loop_mix(cubin: bytes, top: int = 12) -> tuple[int, int, str]:
