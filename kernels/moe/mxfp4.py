@@ -78,36 +78,41 @@ WORD_BITS = (
 _WORD_PERM = [WORD_BITS[i][b] for i in range(8) for b in range(4)]  # checkpoint bit 4i + b
 
 
-def _bits(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., K/2] -> its bits [..., K/8, 32] (bit p of each little-endian word)."""
+def _byte_luts(dst: list[int]) -> torch.Tensor:
+    """int64 [4, 256]: row j maps a value of byte j of a word to its bits moved to dst[p] (p =
+    8 j + b, the source bit of the little-endian word)."""
+    v = torch.arange(256, dtype=torch.int64)
+    rows = [sum(((v >> b) & 1) << dst[8 * j + b] for b in range(8)) for j in range(4)]
+    return torch.stack(rows)
+
+
+_TO_WORD = _byte_luts(_WORD_PERM)  # checkpoint bit q -> word bit _WORD_PERM[q]
+_FROM_WORD = _byte_luts([_WORD_PERM.index(p) for p in range(32)])
+_SHIFTS = torch.arange(0, 32, 8, dtype=torch.int64)
+
+
+def _permute_words(packed: torch.Tensor, luts: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] with the bits of each 4-byte word moved by `luts` (`_byte_luts`): each
+    byte looked up, the four lookups of a word summed (their bits do not overlap)."""
     if packed.dtype != torch.uint8:
         raise ValueError(f"packed FP4 data must be uint8, got {packed.dtype}")
     if packed.shape[-1] % 4:
         raise ValueError(f"the word layout needs inputs in multiples of 8, got "
                          f"{2 * packed.shape[-1]}")  # fmt: skip
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    bits = (packed[..., None] >> shifts) & 1
-    return bits.reshape(*packed.shape[:-1], -1, 32)
-
-
-def _bytes(bits: torch.Tensor) -> torch.Tensor:
-    """Inverse of `_bits`."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    packed = (bits.reshape(*bits.shape[:-2], -1, 8) << shifts).sum(-1, dtype=torch.uint8)
-    return packed
+    luts, shifts = luts.to(packed.device), _SHIFTS.to(packed.device)
+    words = packed.unflatten(-1, (-1, 4)).long()
+    moved = luts.gather(1, words.flatten().view(-1, 4).t()).sum(0).view(words.shape[:-1])
+    return ((moved[..., None] >> shifts) & 0xFF).to(torch.uint8).flatten(-2)
 
 
 def to_word_layout(packed: torch.Tensor) -> torch.Tensor:
     """Checkpoint bytes [..., K/2] -> the kernel's word layout (same shape, a new tensor)."""
-    bits = _bits(packed)
-    out = torch.empty_like(bits)
-    out[..., _WORD_PERM] = bits
-    return _bytes(out)
+    return _permute_words(packed, _TO_WORD)
 
 
 def from_word_layout(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of `to_word_layout`."""
-    return _bytes(_bits(packed)[..., _WORD_PERM])
+    return _permute_words(packed, _FROM_WORD)
 
 
 def has_small_scales(*scales: torch.Tensor) -> bool:
@@ -147,6 +152,11 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+# Lookups by byte: fp32 values [256, 2] of its two codes (low nibble first), its scale
+_BYTE_VALUES = fp4_to_float(unpack_fp4(torch.arange(256, dtype=torch.uint8)[:, None]))
+_SCALE_VALUES = e8m0_to_float(torch.arange(256, dtype=torch.uint8))  # 2^(s - 127) by byte
+
+
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32):
     """packed uint8 [..., in/2] + scale uint8 [..., ceil(in/32)] -> weight [..., in] in `dtype`
     (a checkpoint tensor is [out, in]; leading dims are batched).
@@ -162,8 +172,8 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.floa
             f"MXFP4 scale shape {list(scale.shape)} does not fit packed shape "
             f"{list(packed.shape)} (expected {list(want)})"
         )
-    values = _pad_groups(fp4_to_float(unpack_fp4(packed)))
-    w = values * e8m0_to_float(scale)[..., None]
+    values = _pad_groups(_BYTE_VALUES.to(packed.device)[packed.long()].flatten(-2))
+    w = values * _SCALE_VALUES.to(scale.device)[scale.long()][..., None]
     return w.flatten(-2)[..., :in_size].to(dtype)
 
 
