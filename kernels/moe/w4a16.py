@@ -21,7 +21,9 @@ iteration at 16 x 128 x 256 tiles (2.7 per weight). Also: masks only when a tile
 N (`EVEN`), one multiply per value pair when the scales are small (`SMALL_SCALES`). Loading x's
 even and odd inputs apart (a layout with each tile's halves in the two nibble sets) compiled
 to more instructions (register moves into the MMA operands), and computing out^T = w x^T (the
-unpacked weights as the MMA's register operand) measured slower, so neither was kept.
+unpacked weights as the MMA's register operand) measured slower, so neither was kept; nor was
+split-K at one token (K in parts, partial sums added by the activation and combine kernels:
+0.168 ms against 0.167 for 7 layers; each GEMM there is ~12 us of mostly fixed latency).
 One H200, k3-slice, 7 layers (`k3batch bench moe --expert-dtype mxfp4`), before the word
 layout: 64 tokens 3.40 ms as CUDA-graph replays (2.68 TB/s on the packed bytes, 63% of the
 copy bandwidth); 8,192 tokens 28.5 ms (72% of the bf16 grouped GEMM's throughput).
