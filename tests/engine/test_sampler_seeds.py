@@ -97,7 +97,7 @@ def test_sampler_follows_the_distribution(params):
 
 def test_engine_request_seeds_decide_samples(model_factory):
     """The same through the engine, so a seed that never reaches the sampler fails too."""
-    model = model_factory("k3-debug")
+    model = model_factory("k3-mini")  # seeds, not depth
     prompt = torch.randint(0, 256, (6,), generator=torch.Generator().manual_seed(3)).tolist()
 
     def run(*seeds):
