@@ -6,10 +6,11 @@ Starts a `SimulatedCluster` with no worker nodes and one node type that declares
 `accelerator_type:SIM` (the devices are fake, the autoscaler is Ray's), then runs a job with
 `num_replicas = {min = 1, max = N}` and `accelerator_type = "SIM"` (so `device = "auto"` asks for
 GPUs) on fake replicas (each row takes `--token-s` x 8 tokens, the last row `--tail-tokens`:
-a tail that one replica serves while the others drain and their nodes go). A thread samples the cluster's
-live worker nodes every `SAMPLE_S`; the job's report gives the replicas up over time. Prints
-both timelines, writes them as JSON beside the PNG, and, with `--png`, draws them (matplotlib,
-the `bench` extra: not needed by the package). `run_elastic` is also what the test runs.
+a tail that one replica serves while the others drain and their nodes go). A thread samples
+the cluster's live worker nodes every `SAMPLE_S`; the job's report gives the replicas up over
+time. Prints both timelines, writes them as JSON beside the PNG, and, with `--png`, draws them
+(matplotlib, the `bench` extra: not needed by the package). `run_elastic` is also what the
+test runs; its nodes go after `IDLE_TIMEOUT_S` idle (the timeline PNG was drawn with 3 s).
 """
 
 import argparse

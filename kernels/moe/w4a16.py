@@ -213,8 +213,9 @@ def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
                      **config) -> torch.Tensor:  # fmt: skip
     """out[r] = x[r] @ dequantize(w[e]).T for the rows r of group e; x [M, K] (unit last
     stride), w: packed [E, N, K/2] (word layout) and scale [E, N, ceil(K/32)] uint8 with unit
-    last strides, K a multiple of 8, offs [E] int32 cumulative group ends. Rows after offs[-1] are left unwritten.
-    config: block_m, block_n, block_k, num_warps, num_stages (default `launch_config`)."""
+    last strides, K a multiple of 8, offs [E] int32 cumulative group ends. Rows after offs[-1]
+    are left unwritten. config: block_m, block_n, block_k, num_warps, num_stages (default
+    `launch_config`)."""
     E, N, K = w.shape
     if x_MK.shape[1] != K or x_MK.stride(-1) != 1:
         raise ValueError(f"x {list(x_MK.shape)} does not match MXFP4 weights of {K} inputs "
