@@ -88,7 +88,6 @@ def _byte_luts(dst: list[int]) -> torch.Tensor:
 
 _TO_WORD = _byte_luts(_WORD_PERM)  # checkpoint bit q -> word bit _WORD_PERM[q]
 _FROM_WORD = _byte_luts([_WORD_PERM.index(p) for p in range(32)])
-_SHIFTS = torch.arange(0, 32, 8, dtype=torch.int64)
 
 
 def _permute_words(packed: torch.Tensor, luts: torch.Tensor) -> torch.Tensor:
@@ -99,10 +98,10 @@ def _permute_words(packed: torch.Tensor, luts: torch.Tensor) -> torch.Tensor:
     if packed.shape[-1] % 4:
         raise ValueError(f"the word layout needs inputs in multiples of 8, got "
                          f"{2 * packed.shape[-1]}")  # fmt: skip
-    luts, shifts = luts.to(packed.device), _SHIFTS.to(packed.device)
-    words = packed.unflatten(-1, (-1, 4)).long()
-    moved = luts.gather(1, words.flatten().view(-1, 4).t()).sum(0).view(words.shape[:-1])
-    return ((moved[..., None] >> shifts) & 0xFF).to(torch.uint8).flatten(-2)
+    luts = luts.to(packed.device)
+    byte = torch.arange(4, device=packed.device)
+    moved = luts[byte, packed.unflatten(-1, (-1, 4)).long()].sum(-1, keepdim=True)
+    return ((moved >> 8 * byte) & 0xFF).to(torch.uint8).flatten(-2)
 
 
 def to_word_layout(packed: torch.Tensor) -> torch.Tensor:

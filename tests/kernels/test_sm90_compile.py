@@ -1,6 +1,6 @@
 """Every kernel launch the interpreted CPU tests made compiles for sm_90 (`sm90.py`): the
 interpreter never builds a kernel's IR, so this is the CPU suite's only view of what the
-compiler accepts. Runs last (`conftest.py`); ~15 s for the ~60 launches of tests/kernels with
+compiler accepts. Runs last (`conftest.py`); 9-15 s for the ~60 launches of tests/kernels with
 an empty Triton cache on the 2-core CI machine."""
 
 import json
