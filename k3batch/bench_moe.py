@@ -27,12 +27,11 @@ H200).
 
 import itertools
 import json
-import statistics
 from functools import partial
 
 import torch
 
-from k3batch.bench_kernels import COPY_TBPS
+from k3batch.bench_kernels import COPY_TBPS, time_ms
 from k3batch.model import get_flavor
 from k3kernels.moe.experts import fused_experts
 from k3kernels.moe.grouped_gemm import grouped_mm
@@ -57,29 +56,6 @@ def _layer_inputs(config, num_tokens: int, gen, device):
     ids = scores.topk(k, dim=-1).indices
     weights = scores.gather(-1, ids)
     return x, w13, w2, ids, weights
-
-
-def _time_ms(fn, repeats: int, graph: bool = True) -> float:
-    """Median CUDA-event time of fn after a warm-up; with graph, of the replay of a CUDA graph
-    of fn (what the engine's decode step runs), so that the host's launch time, which exceeds
-    the GPU's at a few tokens, is left out."""
-    fn()  # warm-up: Triton compilation, CUTLASS setup
-    torch.cuda.synchronize()
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        fn = g.replay
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_layers=None,
@@ -172,7 +148,7 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
                                            tails=expert_dtype == "bf16")]  # fmt: skip
     for impl, fn in impls:
         try:
-            ms = _time_ms(fn, repeats, graph=impl != "loop-before")  # it reads counts on the host
+            ms = time_ms(fn, repeats, graph=impl != "loop-before")  # it reads counts on the host
         except Exception as e:  # an experimental row must not hide the others
             rows.append({"impl": impl, "error": f"{type(e).__name__}: {e}"[:300]})
             continue

@@ -76,8 +76,13 @@ def mla_decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         ok = pos < end
-        page_row = tl.load(rows_ptr + b * stride_rb + pos // PAGE, mask=ok, other=0)
-        tok = pool_ptr + page_row.to(tl.int64) * stride_pp + (pos % PAGE) * stride_pt
+        if PAGE % BLOCK_N == 0:  # the tile lies in one page: one page row, a scalar
+            page_row = tl.load(rows_ptr + b * stride_rb + n0 // PAGE)
+            tok = (pool_ptr + page_row.to(tl.int64) * stride_pp
+                   + (n0 % PAGE + tl.arange(0, BLOCK_N)) * stride_pt)  # fmt: skip
+        else:
+            page_row = tl.load(rows_ptr + b * stride_rb + pos // PAGE, mask=ok, other=0)
+            tok = pool_ptr + page_row.to(tl.int64) * stride_pp + (pos % PAGE) * stride_pt
         c = tl.load(tok[:, None] + offs_l[None, :], mask=ok[:, None] & l_ok[None, :], other=0.0)
         k_rope = tl.load(
             tok[:, None] + L + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0
@@ -103,42 +108,48 @@ def mla_decode_kernel(
     tl.store(lse_ptr + split * stride_lm + b * stride_lb + heads, lse, mask=h_ok)
 
 
-# Launch settings, measured on one H200 (torch 2.11, triton 3.6) at batch 64 x 8K, H = 96
-# (`k3batch bench mla-decode --sweep`, 72 configs): 64 heads, 64 tokens, 8 warps, 3 stages and
-# 3 splits: 0.72 ms, 0.84 TB/s on the latent bytes (20% of the copy bandwidth; 16 heads per
-# program: 1.94 ms, 32: 1.68 ms); 0.63 ms (22.5%) once the page size became a compile-time
-# constant and the full-width masks went (the loop's SASS: 1,630 -> ~1,470 instructions per
-# token block, the page arithmetic divided by a runtime value before). At 96 heads the step is
-# at the H200's ridge point (~180 FLOP per latent byte), so the tensor cores, not the
-# bandwidth, bound it: 174 TFLOP/s of useful work. ncu: one program per SM (255 registers, 217
-# KiB of shared memory), the tensor pipe 34% busy, no warp eligible 67% of cycles. Rescaling
-# the accumulator lazily (only when a row's max grows by 2^8) made it slower (0.83 ms): the
-# block-uniform branch broke the overlap of the two MMAs.
-# Where the tensor time goes (SASS of this launch compiled for sm_90 on the CPU machine,
-# `tests/kernels/sm90.py`): per 64-token block each of the two warpgroups issues 72
-# HGMMA.64x32x16 for the scores, the whole [64, 64] tile over C = 576, then 4 HGMMA.64x256x16
-# for its half of the latent. Triton gives a dot whose result feeds another dot all its warps
-# along M (so that softmax rows stay inside a warp), and with 8 warps over 64 rows both
-# warpgroups compute the same scores: 1.53x the useful MMA work, 2.04x with the 96 heads padded
-# to 128. The kernel executes ~350 TFLOP/s of MMA (46% of the measured 777 peak); without the
-# duplicate and the padding that rate would give ~0.31 ms (41% of the copy bandwidth). 80%
-# needs 618 TFLOP/s of useful work: the scores computed once by one warpgroup and handed to both
-# through shared memory (FlashMLA's split), which Triton's dot layouts do not express.
-# The transpose, scores^T = c q^T and acc^T += c^T p^T (tokens, then the latent, as the MMAs'
-# M; heads as N), removes the duplicate: the SASS shows each HGMMA once. It measured slower:
-# 0.80 ms at best (64 heads, 64 tokens, 8 warps, 3 stages) over 30 launch settings, 0.91 ms
-# at 32 heads and 4 warps (the 64-head, 4-warp tile spills its [512, 64] fp32 accumulator, and
-# 128-token tiles overflow shared memory); so this kernel stays as it is.
-# MEASURED is the small-head setting (TP / DCP ranks with <= 16 heads); a default launch the
-# device refuses (out of resources) falls back to it.
-MEASURED = dict(block_h=16, block_n=32, num_warps=4, num_stages=2)
+# Launch settings, measured on one H200 (torch 2.11, triton 3.6) at batch 64 x 8K, 64-token
+# pages (`k3batch bench mla-decode [--heads 12] --sweep`). Each program once computed the page
+# row of every token of its tile, in the tile's load layout: a page-table load and 64-bit
+# address arithmetic per 16-byte vector of latent (SASS compiled for sm_90 on the CPU machine,
+# `tests/kernels/sm90.py`: 765 instructions per 32-token block at 16 heads, 18 of them page
+# loads; 207 registers). When the tile lies in one page (the page size a multiple of
+# BLOCK_N), one scalar page row and a fixed offset tile do it: 650 instructions, 154
+# registers. Loading each page's row once for tiles that span pages (16-token pages) measured
+# 2x slower (a layout conversion per tile), so such tiles keep the per-token rows.
+# - TP / DCP ranks (<= 16 heads; K3 at TP8: 12): 16 heads, 64 tokens, 4 warps, 2 stages, 4
+#   splits: 0.165 ms, 3.67 TB/s on the latent bytes, 86% of the copy bandwidth (with per-token
+#   page rows: 0.205 ms, 69%; 32-token tiles: 0.168 ms at 8 splits). Memory bound (16 x 1,088
+#   x 2 FLOP per 1,152-byte token); the splits fill whole waves (5 splits: 0.19-0.20 ms).
+# - 96 heads (one GPU, no TP): 64 heads, 64 tokens, 8 warps, 2 stages, 3 splits: 0.547 ms, 26%
+#   of copy (3 stages: 0.679; with per-token page rows the best was 3 stages, 0.627 ms). At 96
+#   heads the step is at the H200's ridge point (~180 FLOP per latent byte), so the tensor
+#   cores, not the bandwidth, bound it. Per 64-token block each of the two warpgroups issues 72
+#   HGMMA.64x32x16 for the scores, the whole [64, 64] tile over C = 576, then 4
+#   HGMMA.64x256x16 for its half of the latent: Triton gives a dot whose result feeds another
+#   dot all its warps along M (so that softmax rows stay inside a warp), and with 8 warps over
+#   64 rows both warpgroups compute the same scores: 1.53x the useful MMA work, 2.04x with the
+#   96 heads padded to 128. 80% of copy needs 618 TFLOP/s of useful work: the scores computed
+#   once by one warpgroup and handed to both through shared memory (FlashMLA's split), which
+#   Triton's dot layouts do not express. The transpose (scores^T = c q^T, acc^T += c^T p^T:
+#   tokens, then the latent, as the MMAs' M) computes each score once but measured slower,
+#   0.80 ms at best over 30 launch settings (its 64-head, 4-warp tile spills the [512, 64]
+#   fp32 accumulator; 128-token tiles overflow shared memory). Rescaling the accumulator
+#   lazily (only when a row's max grows by 2^8) was slower too (0.83 against 0.72 ms then):
+#   the block-uniform branch broke the overlap of the two MMAs.
+# - 16-token pages (the engine's default; tiles span pages, per-token rows): 12 heads 0.211 ms
+#   with 32-token tiles (64: 0.282); 96 heads 0.633 ms with 3 stages (2: 0.711).
+# FALLBACK fits where a default launch does not (out of shared memory: fp32 inputs).
+FALLBACK = dict(block_h=16, block_n=32, num_warps=4, num_stages=2)
 
 
-def launch_config(num_heads: int) -> dict:
-    """{block_h, block_n, num_warps, num_stages} for num_heads query heads per sequence."""
+def launch_config(num_heads: int, page_size: int = 64) -> dict:
+    """{block_h, block_n, num_warps, num_stages} for num_heads query heads per sequence over
+    pages of page_size tokens."""
+    one_page = page_size % 64 == 0  # 64-token tiles each within one page
     if num_heads <= 16:  # TP / DCP ranks: one head block
-        return dict(MEASURED)
-    return dict(block_h=64, block_n=64, num_warps=8, num_stages=3)
+        return dict(block_h=16, block_n=64 if one_page else 32, num_warps=4, num_stages=2)
+    return dict(block_h=64, block_n=64, num_warps=8, num_stages=2 if one_page else 3)
 
 
 def _precision(dtype) -> str:
@@ -156,11 +167,15 @@ def num_splits_for(
     min_tokens: int = 256,
 ) -> int:
     """Splits per sequence so that the grid holds about two programs per SM (one resident at
-    a time; the merge costs 2 x splits x B x H x L x 4 bytes; at 64 x 8K, 3 splits measured
-    faster than 6), each split keeping at least min_tokens tokens. Host-side integers only
-    (no device sync: graph-safe)."""
-    programs = num_seqs * triton.cdiv(num_heads, launch_config(num_heads)["block_h"])
-    want = triton.cdiv(2 * num_sms, max(programs, 1))
+    a time; the merge costs 2 x splits x B x H x L x 4 bytes), each split keeping at least
+    min_tokens tokens. At 64 x 8K: 3 splits of 2 head blocks (6 measured slower), 4 of one
+    small-head block (rounded down: 5 leaves a partial last wave, 0.19 against 0.165 ms).
+    Host-side integers only (no device sync: graph-safe)."""
+    programs = max(1, num_seqs * triton.cdiv(num_heads, launch_config(num_heads)["block_h"]))
+    if num_heads <= 16:
+        want = max(1, 2 * num_sms // programs)
+    else:
+        want = triton.cdiv(2 * num_sms, programs)
     return max(1, min(want, max_splits, triton.cdiv(max_len, min_tokens)))
 
 
@@ -182,7 +197,7 @@ def mla_decode(
     q_BHC: [q_lat | q_rope] [B, H, L + R] (the model dtype); pool_PNC: [P, page_size, L + R]
     (last dim contiguous; the pool's dtype must be q's); page_rows_BP: [B, >= pages] int;
     seq_lens_B: [B] int32/int64 device tensor (0 allowed: out 0, lse -inf).
-    config: {block_h, block_n, num_warps, num_stages} (default `launch_config(H)`).
+    config: {block_h, block_n, num_warps, num_stages} (default `launch_config(H, page size)`).
     Returns (out [B, H, L] in out_dtype (default q's), lse [B, H] fp32, natural log).
     """
     B, H, C = q_BHC.shape
@@ -209,9 +224,9 @@ def mla_decode(
             _launch(*args, **config)
         else:
             try:
-                _launch(*args, **launch_config(H))
+                _launch(*args, **launch_config(H, pool_PNC.shape[1]))
             except OutOfResources:
-                _launch(*args, **MEASURED)
+                _launch(*args, **FALLBACK)
     if M == 1:
         return part[0], lse[0]
     return merge_lse(part, lse, out_dtype=out_dtype)

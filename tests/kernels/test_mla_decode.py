@@ -6,7 +6,8 @@ not compute bf16 dots). GPU (`gpu`): K3 shapes (H=96, L=512, R=64, 64-token page
 lengths, bf16 and fp32. Page tables are
 shuffled and everything a kernel must not read is NaN, so a wrong page, a read past a
 sequence's end or a missed mask shows as a non-finite output. Breaking it: drop `& r_ok` or
-use `pos` instead of `pos % PAGE` in `mla_decode_kernel` and these fail; drop the rescaling
+use `pos` instead of `pos % PAGE` (or `n0` instead of `n0 % PAGE`) in `mla_decode_kernel`
+and these fail; drop the rescaling
 of the denominator and the rising many-block case fails.
 """
 
@@ -62,6 +63,15 @@ def test_mla_decode_matches_reference(lens, H, splits, ramp):
     empty = torch.tensor(lens) == 0
     assert torch.isneginf(lse.cpu()[empty]).all() and (o.cpu()[empty] == 0).all()
     _check("decode_lse", torch.float32, lse_ref[~empty], lse.cpu()[~empty])
+
+
+@pytest.mark.parametrize("page_size,splits", [(64, 2), (128, 3)], ids=["page64", "page128"])
+def test_mla_decode_tiles_within_one_page(page_size, splits):
+    """Pages a multiple of the token tile (K3's 64-token pages): one page row per tile."""
+    (o, lse), (o_ref, lse_ref) = _decode_case([70, 3, 129], 2, 32, 8, page_size,
+                                              torch.float32, 1, splits)  # fmt: skip
+    _check("decode_o", torch.float32, o_ref, o)
+    _check("decode_lse", torch.float32, lse_ref, lse.cpu())
 
 
 def _stripe(tokens, M, d):
@@ -127,6 +137,7 @@ def test_num_splits_fills_the_device_without_tiny_splits():
     assert num_splits_for(1, 96, 8192) == 16  # 3 programs: split the sequence (at most 16)
     assert num_splits_for(1, 96, 300) == 2  # but keep >= 256 tokens per split
     assert num_splits_for(256, 96, 8192) == 1
+    assert num_splits_for(64, 12, 8192) == 4  # a TP8 rank: 64 programs -> 4 whole waves of 2
 
 
 # ---- GPU: K3 shapes ---------------------------------------------------------------------------
