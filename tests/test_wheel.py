@@ -95,6 +95,7 @@ def _all_modules() -> list[str]:
     return sorted(set(out) - missing)
 
 
+@pytest.mark.slow
 def test_wheel_imports_every_module_and_runs_cli(installed, tmp_path):
     modules = _all_modules()
     assert "k3batch.actors.replica" in modules and "k3batch.parallel.group" in modules

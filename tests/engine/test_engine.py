@@ -75,7 +75,7 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True, logpro
 
 
 def test_mixed_batch_equals_each_alone(model_factory):
-    model = model_factory("k3-debug")
+    model = model_factory("k3-mini")  # batching: what depth does not change
     prompts = [_prompt(n, n) for n in (3, 17, 40, 1)]
     cfg = EngineConfig(max_num_seqs=3, max_seq_len=64, chunk_size=7, max_batch_tokens=16)
     together = Engine(model, cfg).generate(prompts, GREEDY)

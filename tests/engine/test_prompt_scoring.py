@@ -2,16 +2,16 @@
 (`SamplingParams.prompt_logprobs_start`): no extra forward, and the choices of an item share
 their context through the prefix cache.
 
-Checked on k3-debug in fp32 (CPU): the log-likelihood of each choice (the sum of its tokens'
-log-probs) equals the sum of log-softmax values of a full forward of the model over context +
-continuation, with the prefix cache on and off; each greedy flag equals the full forward's
-argmax test. Tolerance: one sequence in one unchunked forward matches to 9e-7; packing four
-sequences into one forward, or cutting a prompt into chunks, changes fp32 summation orders,
-which 93 random layers amplify to at most 2.6e-4 absolute (2e-4 per token, 1.7e-5 relative) on
-log-likelihoods of 15-35 nats, so the bound is 1e-3 absolute and 5e-5 relative (a wrong row or
-an off-by-one position moves a log-likelihood by nats); with the cache on, a choice restored
-from its context's checkpoint scores exactly what the first choice (a miss) scores; and the
-cache saves the prefill of the shared contexts (counted on the 9-layer k3-mini).
+Checked on the 9-layer k3-mini in fp32 (CPU): the log-likelihood of each choice (the sum of its
+tokens' log-probs) equals the sum of log-softmax values of a full forward of the model over
+context + continuation, with the prefix cache on and off; each greedy flag equals the full
+forward's argmax test. Tolerance: one sequence in one unchunked forward matches to 9e-7; packing
+four sequences into one forward, or cutting a prompt into chunks, changes fp32 summation orders,
+which k3-debug's 93 random layers amplified to at most 2.6e-4 absolute (2e-4 per token, 1.7e-5
+relative) on log-likelihoods of 15-35 nats, so the bound is 1e-3 absolute and 5e-5 relative (a
+wrong row or an off-by-one position moves a log-likelihood by nats); with the cache on, a choice
+restored from its context's checkpoint scores exactly what the first choice (a miss) scores; and
+the cache saves the prefill of the shared contexts.
 """
 
 import torch
@@ -61,7 +61,7 @@ def _reference(model, ctx, cont):
 
 
 def test_continuation_loglik_matches_full_forward(model_factory):
-    model = model_factory("k3-debug")
+    model = model_factory("k3-mini")
     items = _items(model.config.vocab_size)
     flat = [(ctx, cont) for ctx, conts in items for cont in conts]
     refs = [_reference(model, ctx, cont) for ctx, cont in flat]  # one full forward each
@@ -80,7 +80,7 @@ def test_choices_share_their_context_exactly(model_factory):
     request per forward: packed, a sequence's bits depend on its place in the batch on CPU
     (reductions across tokens vectorize all but a tail, e.g. AttnRes' softmax over its
     candidates), so four identical choices packed together need not agree to the last bit."""
-    model = model_factory("k3-debug")
+    model = model_factory("k3-mini")
     items = _items(model.config.vocab_size, n=2, seed=1)
     ctx, conts = items[0]
     same = [(ctx, [conts[0]] * 4)]  # four identical choices: misses and hits must agree
