@@ -289,9 +289,11 @@ def _interpreted_checks():
     # 64-row tiles with each expert's partial last tile in steps of 16 rows (groups of 67 and
     # 70 rows: tails of 3 and 6 rows)
     _check_grouped_mm_triton("cpu", block_m=64, block_n=16, block_k=16, block_t=16)
+    # Wide tiles: the interpreter's time goes per operation, not per element. K = 48: one
+    # partial K step holding a partial scale group; N = 40: a partial column block.
     for K, bm in ((48, 16), (64, 64)):  # a partial scale group at decode tiles; prefill tiles
-        _check_grouped_mm_mxfp4("cpu", K=K, block_m=bm, block_n=16, block_k=32)
-    _check_grouped_mm_mxfp4("cpu", K=64, N=32, block_m=16, block_n=16, block_k=32)  # no overhang
+        _check_grouped_mm_mxfp4("cpu", K=K, block_m=bm, block_n=32, block_k=64)
+    _check_grouped_mm_mxfp4("cpu", K=64, N=32, block_m=16, block_n=32, block_k=64)  # no overhang
     for name in ("T33-D32-I24-E8-k2", "T33-D32-I24-E8-k2-ep4of8"):
         _check_experts(TINY[name], torch.float32, "cpu", use_triton=True, mxfp4=True)
     _check_experts(TINY["T33-D32-I24-E8-k2-ep4of8"], torch.float32, "cpu", use_triton=True,
