@@ -230,7 +230,11 @@ def test_rank_decode_matches_one_device(tmp_path, model_name, tp_size, dcp_sizes
     }
     torch.save(data, tmp_path / "inputs.pt")
     args = (tp_size, free_port(), str(tmp_path / "inputs.pt"), str(tmp_path))
-    mp.spawn(_worker, args=args, nprocs=tp_size, join=True)
+    # forkserver: one fresh server process imports this module (torch, k3batch) once and forks
+    # each rank from it (spawn made every rank import torch again: ~3.5 s of CPU each); fork
+    # itself would copy this process's threads (Ray's, from earlier tests)
+    mp.set_forkserver_preload([__name__])
+    mp.start_processes(_worker, args=args, nprocs=tp_size, join=True, start_method="forkserver")
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(tp_size)]
     for dcp in dcp_sizes:
         name = f"{model_name}-tp{tp_size}-dcp{dcp}"
