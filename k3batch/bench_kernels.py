@@ -112,8 +112,8 @@ def run_mla_decode_bench(*, batch: int = 64, context_len: int = 8192, heads: int
     if sweep:
         m = base["num_splits"]
         splits = sorted({max(1, m - 1), m, m + 1, 2 * m})
-        if heads <= 16:  # a TP / DCP rank's heads: one head block, memory bound
-            grid = itertools.product((16,), (32, 64), (2, 4, 8), (2, 3, 4), splits)
+        if heads <= K.SMALL_HEADS:  # a TP / DCP rank's heads
+            grid = itertools.product((K.SMALL_HEADS,), (32, 64), (2, 4, 8), (2, 3, 4), splits)
         else:
             grid = itertools.product((32, 64), (16, 32, 64), (4, 8), (1, 2, 3), splits)
         configs = [dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, num_splits=m)

@@ -117,38 +117,42 @@ def mla_decode_kernel(
 # BLOCK_N), one scalar page row and a fixed offset tile do it: 650 instructions, 154
 # registers. Loading each page's row once for tiles that span pages (16-token pages) measured
 # 2x slower (a layout conversion per tile), so such tiles keep the per-token rows.
-# - TP / DCP ranks (<= 16 heads; K3 at TP8: 12): 16 heads, 64 tokens, 4 warps, 2 stages, 4
-#   splits: 0.165 ms, 3.67 TB/s on the latent bytes, 86% of the copy bandwidth (with per-token
-#   page rows: 0.205 ms, 69%; 32-token tiles: 0.168 ms at 8 splits). Memory bound (16 x 1,088
-#   x 2 FLOP per 1,152-byte token); the splits fill whole waves (5 splits: 0.19-0.20 ms).
-# - 96 heads (one GPU, no TP): 64 heads, 64 tokens, 8 warps, 2 stages, 3 splits: 0.547 ms, 26%
-#   of copy (3 stages: 0.679; with per-token page rows the best was 3 stages, 0.627 ms). At 96
-#   heads the step is at the H200's ridge point (~180 FLOP per latent byte), so the tensor
-#   cores, not the bandwidth, bound it. Per 64-token block each of the two warpgroups issues 72
-#   HGMMA.64x32x16 for the scores, the whole [64, 64] tile over C = 576, then 4
-#   HGMMA.64x256x16 for its half of the latent: Triton gives a dot whose result feeds another
-#   dot all its warps along M (so that softmax rows stay inside a warp), and with 8 warps over
-#   64 rows both warpgroups compute the same scores: 1.53x the useful MMA work, 2.04x with the
-#   96 heads padded to 128. 80% of copy needs 618 TFLOP/s of useful work: the scores computed
-#   once by one warpgroup and handed to both through shared memory (FlashMLA's split), which
-#   Triton's dot layouts do not express. The transpose (scores^T = c q^T, acc^T += c^T p^T:
-#   tokens, then the latent, as the MMAs' M) computes each score once but measured slower,
-#   0.80 ms at best over 30 launch settings (its 64-head, 4-warp tile spills the [512, 64]
-#   fp32 accumulator; 128-token tiles overflow shared memory). Rescaling the accumulator
-#   lazily (only when a row's max grows by 2^8) was slower too (0.83 against 0.72 ms then):
-#   the block-uniform branch broke the overlap of the two MMAs.
+# - TP / DCP ranks (<= SMALL_HEADS heads; K3 at TP8: 12): 16 heads, 64 tokens, 4 warps, 2
+#   stages, 4 splits: 0.157 ms as CUDA-graph replays, 3.84 TB/s on the latent bytes, 90% of the
+#   copy bandwidth (0.290 ms before). In the sweep (eager, ~20 us of launches included): 0.165
+#   ms; with per-token page rows 0.205 ms; 32-token tiles 0.168 ms at 8 splits. Memory bound
+#   (16 x 1,088 x 2 FLOP per 1,152-byte token); the splits fill whole waves (5 splits: 0.19-0.20
+#   ms). The 96-head and 16-token-page figures below are the eager sweep's.
+# - 96 heads (one GPU, no TP): 64 heads, 64 tokens, 8 warps, 2 stages, 3 splits: 0.547 ms, 26% of
+#   copy (0.549 ms as CUDA-graph replays; 3 stages: 0.679; with per-token page rows the best was 3
+#   stages, 0.627 ms). At 96 heads the step is at the H200's ridge point (~180 FLOP per latent
+#   byte), so the tensor cores, not the bandwidth, bound it. Per 64-token block each of the two
+#   warpgroups issues 72 HGMMA.64x32x16 for the scores, the whole [64, 64] tile over C = 576, then 4
+#   HGMMA.64x256x16 for its half of the latent: Triton gives a dot whose result feeds another dot
+#   all its warps along M (so that softmax rows stay inside a warp), and with 8 warps over 64 rows
+#   both warpgroups compute the same scores: 1.53x the useful MMA work, 2.04x with the 96 heads
+#   padded to 128. 80% of copy needs 618 TFLOP/s of useful work: the scores computed once by one
+#   warpgroup and handed to both through shared memory (FlashMLA's split), which Triton's dot
+#   layouts do not express. The transpose (scores^T = c q^T, acc^T += c^T p^T: tokens, then the
+#   latent, as the MMAs' M) computes each score once but measured slower, 0.80 ms at best over 30
+#   launch settings (its 64-head, 4-warp tile spills the [512, 64] fp32 accumulator; 128-token tiles
+#   overflow shared memory). Rescaling the accumulator lazily (only when a row's max grows by 2^8)
+#   was slower too (0.83 against 0.72 ms then): the block-uniform branch broke the overlap of the
+#   two MMAs.
 # - 16-token pages (the engine's default; tiles span pages, per-token rows): 12 heads 0.211 ms
 #   with 32-token tiles (64: 0.282); 96 heads 0.633 ms with 3 stages (2: 0.711).
 # FALLBACK fits where a default launch does not (out of shared memory: fp32 inputs).
-FALLBACK = dict(block_h=16, block_n=32, num_warps=4, num_stages=2)
+SMALL_HEADS = 16  # at most this many heads: one head block, memory bound
+FALLBACK = dict(block_h=SMALL_HEADS, block_n=32, num_warps=4, num_stages=2)
 
 
 def launch_config(num_heads: int, page_size: int = 64) -> dict:
     """{block_h, block_n, num_warps, num_stages} for num_heads query heads per sequence over
     pages of page_size tokens."""
     one_page = page_size % 64 == 0  # 64-token tiles each within one page
-    if num_heads <= 16:  # TP / DCP ranks: one head block
-        return dict(block_h=16, block_n=64 if one_page else 32, num_warps=4, num_stages=2)
+    if num_heads <= SMALL_HEADS:  # TP / DCP ranks
+        return dict(block_h=SMALL_HEADS, block_n=64 if one_page else 32, num_warps=4,
+                    num_stages=2)
     return dict(block_h=64, block_n=64, num_warps=8, num_stages=2 if one_page else 3)
 
 
@@ -172,7 +176,7 @@ def num_splits_for(
     small-head block (rounded down: 5 leaves a partial last wave, 0.19 against 0.165 ms).
     Host-side integers only (no device sync: graph-safe)."""
     programs = max(1, num_seqs * triton.cdiv(num_heads, launch_config(num_heads)["block_h"]))
-    if num_heads <= 16:
+    if num_heads <= SMALL_HEADS:
         want = max(1, 2 * num_sms // programs)
     else:
         want = triton.cdiv(2 * num_sms, programs)
