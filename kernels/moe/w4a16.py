@@ -24,6 +24,11 @@ to more instructions (register moves into the MMA operands), and computing out^T
 unpacked weights as the MMA's register operand) measured slower, so neither was kept; nor was
 split-K at one token (K in parts, partial sums added by the activation and combine kernels:
 0.168 ms against 0.167 for 7 layers; each GEMM there is ~12 us of mostly fixed latency).
+Nor were activations stored pre-split into each tile's even and odd inputs (no byte permutes:
+148 registers, but register moves into the MMA operands) or each K step run as 2-4 sub-steps
+(94-124 registers): 12-28% slower at 1, 16 and 64 tokens. At one token, torch.sum reading the
+same 14 buffers one kernel each reads at 1.46 TB/s, as fast as these GEMMs
+(`benchmarks/kernels_h200.txt`, 2026-12-02, with ncu's stall counts).
 One H200, k3-slice, 7 layers (`k3batch bench moe --expert-dtype mxfp4`), before the word
 layout: 64 tokens 3.40 ms as CUDA-graph replays (2.68 TB/s on the packed bytes, 63% of the
 copy bandwidth); 8,192 tokens 28.5 ms (72% of the bf16 grouped GEMM's throughput).
