@@ -24,8 +24,12 @@ are useful. `block_t` runs each expert's last, partial tile in steps of block_t 
 (40% of the bf16 peak) plain, 22.5 ms (43%) with block_t = 64 (76% of the rows useful), 26.3 ms
 with block_t = 32 (91% useful, but tiles under 64 rows run on mma.sync, not wgmma); torch's
 grouped GEMM takes 20.5 ms (48%) with its 128-row tiles, so it serves prefill. Per computed row
-this kernel's main tiles run at ~71% of the peak against ~83% for torch's CUTLASS one. At decode
-shapes the Triton kernel streams the weights at 3.9-4.0 TB/s against 2.8-3.0 for torch.
+this kernel's main tiles run at ~71% of the peak against ~83% for torch's CUTLASS one. Loading
+x and w through TMA descriptors instead (a trial, 2026-12-02, rows in
+`benchmarks/moe_k3slice_h200.jsonl`) took the same tiles with 64-row tail steps and 4 stages to
+20.7 ms, level with torch's 20.7 in that run, not past it; Triton's warp-specialized loop was
+slower (24.1 ms). At decode shapes the Triton kernel streams the weights at 3.9-4.0 TB/s
+against 2.8-3.0 for torch.
 Shape legend: M sorted rows, K input width, N output width, E experts.
 """
 
