@@ -42,7 +42,6 @@ import pydantic
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import SamplingParams
 from k3batch.model.config import K3Config
-from k3batch.parallel.pipeline import split_layers
 
 # Per-row sampling overrides: input columns with these names, when present, win over [sampling].
 # prompt_logprobs_start: score only the prompt tokens from this position on (a continuation);
@@ -193,7 +192,10 @@ class JobSpec:
         if not r.wait_timeout_s > 0:
             raise ValueError(f"replicas.wait_timeout_s = {r.wait_timeout_s} must be > 0")
         cfg = K3Config.from_hf(self.model)
+        # Imported here: both modules import torch, which a tokenize task (this module) or a
+        # worker that only reads a spec need not load.
         from k3batch.parallel.group import ParallelLayout
+        from k3batch.parallel.pipeline import split_layers
 
         _prefixed("replicas", lambda: ParallelLayout(tp_size=r.tp, dcp_size=r.dcp).validate(cfg))
         _prefixed(
