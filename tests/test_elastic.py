@@ -3,9 +3,9 @@ placement groups and Ray's autoscaler are real; no model runs).
 
 - From zero worker nodes (`SimulatedCluster`, Ray's fake multi-node autoscaler): the job asks
   for GPU nodes because its spec does (`device = "auto"`, an accelerator type), starts when
-  the first replica is up (not waiting for the second), reaches `max`, drains at the tail (the
-  node of a released replica goes while the last row still runs) and writes every row exactly
-  once.
+  the first replica is up (not waiting for the second), reaches `max`, drains at the tail (a
+  replica released while the last row, 3 s long, still runs), scales back to zero nodes once
+  they are idle (`bench_elastic.IDLE_TIMEOUT_S`) and writes every row exactly once.
 - One request per replica: two replicas of three GPU bundles each (pp = 1, tp = 2) on a node
   with four GPUs (room for one and a half): one runs, the other waits holding nothing. (The
   old driver asked for a replica's prefill and decode groups separately: 1 + 2 + 1 of the 4
@@ -100,7 +100,7 @@ def _exactly_once(out, n: int) -> None:
 
 def test_elastic_job_scales_from_zero_nodes_to_max_and_back(tmp_path):
     n = 300
-    result = run_elastic(tmp_path, rows=n, max_replicas=2, token_s=0.02, tail_tokens=500)
+    result = run_elastic(tmp_path, rows=n, max_replicas=2, token_s=0.02, tail_tokens=150)
     print("\n" + format_timeline(result))
     report, replicas, nodes = result["report"], result["replicas"], result["nodes"]
     assert nodes[0][1] == 0, "the cluster starts with no worker node"
