@@ -11,6 +11,8 @@ exited, and after its restarts the job died; a float top_k failed in `torch.topk
 """
 
 import math
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -275,7 +277,9 @@ def test_prepare_rows_gives_each_poison_row_its_error(mini_model_dir):
 def test_poison_job_runs_to_completion(cluster, mini_model_dir, tmp_path):
     """Every poison file, in one job per input contract (prompt source, its type, the id type:
     a file that differs from the first is schema drift, skipped whole): each row written once,
-    each bad row with its error, the good rows generated; no replica restarts."""
+    each bad row with its error, the good rows generated; no replica restarts. The jobs run at
+    once, from threads of this driver (each its own replica): most of a job is its replica
+    starting."""
     groups: dict = {}
     for name, (table, words) in poison_files().items():
         if name == "ids":
@@ -283,29 +287,32 @@ def test_poison_job_runs_to_completion(cluster, mini_model_dir, tmp_path):
         src = next(c for c in ("prompt_token_ids", "messages", "prompt") if c in table.column_names)
         key = (src, str(table.schema.field(src).type), str(table.schema.field("id").type))
         groups.setdefault(key, []).append((name, table, words))
+    jobs = []  # (spec, (id, error words) of every row)
     for g, files in enumerate(groups.values()):
         inp = tmp_path / f"in{g}"
         inp.mkdir()
-        expected = []  # (id, error words) of every row
+        expected = []
         for name, table, words in files:
             pq.write_table(table, inp / f"{name}.parquet")
             expected += zip(table.column("id").to_pylist(), words)
-        out = tmp_path / f"out{g}"
         spec = JobSpec(
             model=mini_model_dir,
             name=f"poison-{g}",
             input=InputSpec(path=str(inp), batch_rows=64),
-            output=OutputSpec(path=str(out)),
+            output=OutputSpec(path=str(tmp_path / f"out{g}")),
             sampling=GREEDY,
             replicas=ReplicaSpec(device="cpu", max_inflight_rows=16, max_retries=1),
             engine=EngineConfig(max_num_seqs=8, max_seq_len=MAX_SEQ_LEN, chunk_size=32),
         )
-        report = run_job(spec)
+        jobs.append((spec, expected))
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        reports = list(pool.map(run_job, [spec for spec, _ in jobs]))
+    for (spec, expected), report in zip(jobs, reports):
         rows = {}  # id -> output rows, in input order (one shard per file here)
-        for shard in sorted(out.glob("*.parquet")):  # the files' schemas differ
+        for shard in sorted(Path(spec.output.path).glob("*.parquet")):  # schemas differ
             for row in pq.read_table(shard, columns=["id", "error", "finish_reason"]).to_pylist():
                 rows.setdefault(row["id"], []).append(row)
-        assert sorted(rows, key=str) == sorted({i for i, _ in expected}, key=str)
+        assert sorted(rows, key=str) == sorted({i for i, _ in expected}, key=str), spec.name
         for rid, words in expected:
             row = rows[rid].pop(0)
             if words is None:
