@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pyarrow as pa
@@ -88,20 +89,29 @@ def test_text_job_columns_passthrough_and_row_errors(cluster, mini_model_dir, tm
     assert '"rows_written": 8' in saved and '"stage_s"' in saved
 
 
+def _run_at_once(*specs: JobSpec) -> list:
+    """run_job of each spec, all at once from threads of this driver (each job starts its own
+    replicas, most of a small job's time); their reports in the same order."""
+    with ThreadPoolExecutor(len(specs)) as pool:
+        return list(pool.map(run_job, specs))
+
+
 def test_messages_and_token_id_jobs(cluster, mini_model_dir, tmp_path):
     msgs = [[{"role": "user", "content": p}] for p in _prompts(3)] + [
         [{"role": "user", "content": None}]
     ]
     pq.write_table(pa.table({"messages": msgs}), tmp_path / "chat.parquet")
-    run_job(_spec(mini_model_dir, tmp_path / "chat.parquet", tmp_path / "out_chat", name="chat"))
-    rows = pq.read_table(tmp_path / "out_chat").to_pylist()
-    assert [r["error"] is None for r in rows] == [True, True, True, False]
     ids = [[5, 6, 7], [-1, 3], [3, 512], [], None, [1] * 200]
     pq.write_table(
         pa.table({"prompt_token_ids": pa.array(ids, pa.list_(pa.int64()))}),
         tmp_path / "ids.parquet",
     )
-    run_job(_spec(mini_model_dir, tmp_path / "ids.parquet", tmp_path / "out_ids", name="ids"))
+    _run_at_once(
+        _spec(mini_model_dir, tmp_path / "chat.parquet", tmp_path / "out_chat", name="chat"),
+        _spec(mini_model_dir, tmp_path / "ids.parquet", tmp_path / "out_ids", name="ids"),
+    )
+    rows = pq.read_table(tmp_path / "out_chat").to_pylist()
+    assert [r["error"] is None for r in rows] == [True, True, True, False]
     rows = pq.read_table(tmp_path / "out_ids").to_pylist()
     assert rows[0]["error"] is None and rows[0]["num_prompt_tokens"] == 3
     assert "-1" in rows[1]["error"] and "512" in rows[2]["error"]
@@ -218,13 +228,19 @@ def _write_rows(path, num_rows):
 
 @pytest.fixture(scope="module")
 def reference(cluster, mini_model_dir, tmp_path_factory):
-    """id -> greedy tokens of an uninterrupted pp = tp = 1 run over NUM_REF_ROWS rows."""
+    """A Future of id -> greedy tokens of an uninterrupted pp = tp = 1 run over NUM_REF_ROWS
+    rows: the run goes on beside the first test's own job, which reads it afterwards."""
     tmp = tmp_path_factory.mktemp("ref")
     _write_rows(tmp / "in.parquet", NUM_REF_ROWS)
     spec = _spec(mini_model_dir, tmp / "in.parquet", tmp / "ref", name="ref", batch_rows=3,
                  max_new_tokens=6, max_num_seqs=1)  # fmt: skip
-    run_job(spec)
-    return {r["id"]: r["output_token_ids"] for r in pq.read_table(tmp / "ref").to_pylist()}
+
+    def run():
+        run_job(spec)
+        return {r["id"]: r["output_token_ids"] for r in pq.read_table(tmp / "ref").to_pylist()}
+
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(run)
 
 
 def _shards(out) -> int:
@@ -265,6 +281,7 @@ def test_replica_death_is_retried(cluster, mini_model_dir, reference, tmp_path):
     t.join()
     assert report.replica_failures >= 1
     rows = pq.read_table(tmp_path / "out").to_pylist()
+    reference = reference.result()
     assert sorted(r["id"] for r in rows) == sorted(reference)
     assert all(r["output_token_ids"] == reference[r["id"]] for r in rows)
 
@@ -307,6 +324,7 @@ chunk_size = 64
     assert _shards(out) < NUM_REF_ROWS // 3
     assert run_job(load_job_spec(job)).is_complete  # the last run here: no new driver process
     rows = pq.read_table(out).to_pylist()
+    reference = reference.result()
     assert sorted(r["id"] for r in rows) == sorted(reference)  # every id exactly once
     assert all(r["output_token_ids"] == reference[r["id"]] for r in rows)
 
@@ -361,7 +379,7 @@ def test_parallel_job_writes_the_same_tokens(
     )
     report = run_job(spec)
     rows = pq.read_table(tmp_path / "out").to_pylist()
-    want = {f"r{i}": reference[f"r{i}"] for i in range(8)}
+    want = {f"r{i}": reference.result()[f"r{i}"] for i in range(8)}
     assert {r["id"]: r["output_token_ids"] for r in rows} == want
     (pipe,) = report.pipeline
     assert len(pipe["busy"]) == pp and 0 <= pipe["bubble"] < 1
@@ -382,7 +400,11 @@ def test_shared_system_prompt_job_reports_prefix_hits(cluster, mini_model_dir, t
     # room for about 70 KDA blocks: no eviction, so the counts do not depend on timing
     engine = EngineConfig(max_num_seqs=2, max_seq_len=256, chunk_size=32, page_size=8,
                           cache_bytes=16 << 20)  # fmt: skip
-    report = run_job(replace(spec, engine=engine))
+    report, off = _run_at_once(
+        replace(spec, engine=engine),
+        replace(spec, name="sys-off", output=replace(spec.output, path=str(tmp_path / "off")),
+                engine=replace(engine, prefix_cache=False)),
+    )  # fmt: skip
     (stats,) = report.cache
     cache = stats["cache"]
     # The first chunk of the first request checkpoints the system prompt's first 32 tokens;
@@ -391,7 +413,5 @@ def test_shared_system_prompt_job_reports_prefix_hits(cluster, mini_model_dir, t
     assert cache["prefix_hits"] >= 8 and cache["prefix_hit_tokens"] >= 8 * 32
     assert cache["evicted_nodes"] == 0
     assert "prefix hits" in report.summary() and "prefill tokens saved" in report.summary()
-    off = run_job(replace(spec, output=replace(spec.output, path=str(tmp_path / "off")),
-                          engine=replace(engine, prefix_cache=False)))  # fmt: skip
     assert off.cache[0]["cache"]["prefix_hits"] == 0
     assert pq.read_table(tmp_path / "off").num_rows == 10
