@@ -4,6 +4,7 @@ data made here, offline): its log-likelihoods equal `k3batch eval`'s for the sam
 `generate_until` honours `until` and `max_gen_toks`."""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow.parquet as pq
 import pytest
@@ -63,20 +64,23 @@ def test_backend_matches_k3batch_eval(cluster, shallow_ckpt, tmp_path, monkeypat
         "name: both\ntasks: [suite.yaml, {name: docs, kind: loglikelihood_rolling, "
         "data: docs.jsonl, prompt: '{{ text }}'}]\n"
     )
-    ours = run_eval(load_suite(tmp_path / "suite" / "both.yaml"),
-                    make_job(shallow_ckpt, tmp_path / "ours", "ours"))  # fmt: skip
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    for i, text in enumerate(TASKS.format(items=tmp_path / "suite" / "items.jsonl",
-                                          docs=docs).split("---")):  # fmt: skip
-        (tasks / f"task{i}.yaml").write_text(text)
-    lm = K3LM(make_job(shallow_ckpt, tmp_path / "lm", "lm"))
-    results = lm_eval.simple_evaluate(
-        model=lm, tasks=["k3_mc", "k3_gen", "k3_docs"], task_manager=TaskManager(
-            include_path=str(tasks), include_defaults=False),  # not lm-eval's ~10k task files
-        log_samples=True, bootstrap_iters=0,
-    )  # fmt: skip
-    assert lm.calls == 3  # one batch job per request type
+    # k3batch eval's own run goes on beside lm-eval's (each job starts its own replica)
+    with ThreadPoolExecutor(1) as pool:
+        ours = pool.submit(run_eval, load_suite(tmp_path / "suite" / "both.yaml"),
+                           make_job(shallow_ckpt, tmp_path / "ours", "ours"))  # fmt: skip
+        tasks = tmp_path / "tasks"
+        tasks.mkdir()
+        for i, text in enumerate(TASKS.format(items=tmp_path / "suite" / "items.jsonl",
+                                              docs=docs).split("---")):  # fmt: skip
+            (tasks / f"task{i}.yaml").write_text(text)
+        lm = K3LM(make_job(shallow_ckpt, tmp_path / "lm", "lm"))
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=["k3_mc", "k3_gen", "k3_docs"], task_manager=TaskManager(
+                include_path=str(tasks), include_defaults=False),  # not lm-eval's ~10k task files
+            log_samples=True, bootstrap_iters=0,
+        )  # fmt: skip
+        assert lm.calls == 3  # one batch job per request type
+    ours = ours.result()
     samples = results["samples"]
     by_item = {(r["task"], r["item"]): r for r in ours.records}
     for s in samples["k3_mc"]:
