@@ -13,7 +13,8 @@ placement groups and Ray's autoscaler are real; no model runs).
 - A node removed mid-job: its replica's rows go to the other replica without counting against
   `max_retries` (0 here, so a counted retry would be an error row); exactly once.
 
-Each test starts and stops its own cluster, so the module skips when Ray is already connected.
+The node tests share one head (each adds and removes its own worker nodes); the first test starts
+and stops its own cluster. The module skips when Ray is already connected.
 """
 
 import os
@@ -45,9 +46,10 @@ def _no_ray_yet():
         pytest.skip("Ray is already connected in this process (run this module on its own)")
 
 
-@pytest.fixture
-def fixed_cluster():
-    """A head that runs nothing but tokenize tasks (1 CPU, no GPU); tests add worker nodes."""
+@pytest.fixture(scope="module")
+def fixed_head():
+    """A head that runs nothing but tokenize tasks (1 CPU, no GPU), started once for the tests
+    that add worker nodes (`fixed_cluster`)."""
     # Cluster() writes the head's address into Ray's default temp dir, which it does not create
     os.makedirs(os.path.dirname(ray._private.utils.get_ray_address_file(None)), exist_ok=True)
     cluster = Cluster(
@@ -62,11 +64,23 @@ def fixed_cluster():
         ),
     )
     try:
-        ray.init(address=cluster.address, log_to_driver=False)
         yield cluster
     finally:
-        ray.shutdown()
         cluster.shutdown()
+
+
+@pytest.fixture
+def fixed_cluster(fixed_head):
+    """The head, joined by this process for one test; the worker nodes the test adds (and has
+    not removed itself) are removed afterwards, so every test starts with the head alone."""
+    assert not fixed_head.worker_nodes, "a worker node left by an earlier test"
+    try:
+        ray.init(address=fixed_head.address, log_to_driver=False)
+        yield fixed_head
+    finally:
+        ray.shutdown()
+        for node in list(fixed_head.worker_nodes):
+            fixed_head.remove_node(node)
 
 
 @pytest.fixture(scope="module")
