@@ -4,6 +4,7 @@ the same output columns, row for row, as `k3batch run` writes for the same rows,
 included (as error values), and settings refused before anything runs."""
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -50,12 +51,13 @@ def test_generate_dataset_matches_job_row_for_row(cluster, mini_model_dir, tmp_p
         replicas=ReplicaSpec(device="cpu"),
         engine=ENGINE,
     )
-    assert run_job(job).is_complete
+    with ThreadPoolExecutor(1) as pool:  # the job goes on beside the Dataset (own replicas)
+        report = pool.submit(run_job, job)
+        ds = generate(ray.data.from_arrow(table), model=mini_model_dir, sampling=GREEDY,
+                      engine=ENGINE, batch_size=3, device="cpu", logprobs=True)  # fmt: skip
+        out = pa.concat_tables(ray.get(ds.to_arrow_refs()))
+    assert report.result().is_complete
     expected = {r["id"]: r for r in pq.read_table(tmp_path / "out").to_pylist()}
-
-    ds = generate(ray.data.from_arrow(table), model=mini_model_dir, sampling=GREEDY, engine=ENGINE,
-                  batch_size=3, device="cpu", logprobs=True)  # fmt: skip
-    out = pa.concat_tables(ray.get(ds.to_arrow_refs()))
     names = result_names(logprobs=True, prompt_logprobs=False)
     assert out.schema.names == table.schema.names + names
     got = {r["id"]: r for r in out.to_pylist()}
