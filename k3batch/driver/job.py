@@ -121,7 +121,8 @@ def _run(spec, sink, lease, report, ctx, progress_stream, replica_cls, replica_k
         loop = Loop(intake, dispatch, pool, commit, max_open=max_open, progress=progress,
                     report=report)  # fmt: skip
         loop.fill()  # the first units read and tokenized while the replicas start
-        pool.start()
+        if loop.open or not intake.exhausted:  # else every unit was committed already (a rerun)
+            pool.start()
         report.stage_s["startup"] = time.monotonic() - t_start
         try:
             loop.run()
