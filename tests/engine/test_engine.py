@@ -38,17 +38,28 @@ def _prefill(model, ids, chunk):
     return torch.cat(rows), cache, slot
 
 
+_UNCHUNKED = {}  # flavor -> (full forward logits, one-chunk prefill's cache tensors)
+
+
+def _unchunked(model, flavor: str, ids: list[int]):
+    """The references of `test_chunked_prefill_equals_unchunked`, computed once per flavor."""
+    if flavor not in _UNCHUNKED:
+        with torch.no_grad():
+            full = model(torch.tensor([ids]))[0]
+        _, cache, slot = _prefill(model, ids, 64)
+        _UNCHUNKED[flavor] = full, slot_tensors(cache, slot, len(ids))
+    return _UNCHUNKED[flavor]
+
+
 @pytest.mark.parametrize("flavor", ["k3-debug", "kimi-linear-debug"])
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_chunked_prefill_equals_unchunked(model_factory, flavor, chunk):
     model = model_factory(flavor)
     ids = _prompt(23, 1)
-    with torch.no_grad():
-        full = model(torch.tensor([ids]))[0]
+    full, ref = _unchunked(model, flavor, ids)
     logits, cache, slot = _prefill(model, ids, chunk)
     torch.testing.assert_close(logits, full, rtol=0, atol=ATOL)
-    ref_logits, ref_cache, ref_slot = _prefill(model, ids, 64)
-    got, ref = slot_tensors(cache, slot, len(ids)), slot_tensors(ref_cache, ref_slot, len(ids))
+    got = slot_tensors(cache, slot, len(ids))
     for name, layers in ref.items():
         for layer, t in layers.items():
             torch.testing.assert_close(
