@@ -43,8 +43,9 @@ from k3batch.cache.paged import PagedCache
 from k3batch.model import K3Model, get_flavor
 from k3batch.model.forward_batch import ForwardBatch
 from k3batch.model.init import init_random_
-from k3batch.parallel.group import ParallelGroup, ParallelLayout, create_groups
-from k3batch.parallel.pipeline import bank_size, pack_stream, split_layers, unpack_stream
+from k3batch.parallel.group import ParallelGroup, create_groups
+from k3batch.parallel.layout import ParallelLayout, split_layers
+from k3batch.parallel.pipeline import bank_size, pack_stream, unpack_stream
 from k3batch.parallel.tp import build_rank_model
 from k3batch.plan import DEFAULT_RESERVE_BYTES, capacity_tokens
 

@@ -192,10 +192,7 @@ class JobSpec:
         if not r.wait_timeout_s > 0:
             raise ValueError(f"replicas.wait_timeout_s = {r.wait_timeout_s} must be > 0")
         cfg = K3Config.from_hf(self.model)
-        # Imported here: both modules import torch, which a tokenize task (this module) or a
-        # worker that only reads a spec need not load.
-        from k3batch.parallel.group import ParallelLayout
-        from k3batch.parallel.pipeline import split_layers
+        from k3batch.parallel.layout import ParallelLayout, split_layers  # torch-free
 
         _prefixed("replicas", lambda: ParallelLayout(tp_size=r.tp, dcp_size=r.dcp).validate(cfg))
         _prefixed(

@@ -39,8 +39,7 @@ import torch
 from k3batch.cache.layout import CacheLayout
 from k3batch.model.config import K3Config, get_flavor
 from k3batch.model.k3 import K3Model
-from k3batch.parallel.group import ParallelLayout
-from k3batch.parallel.pipeline import split_layers
+from k3batch.parallel.layout import ParallelLayout, split_layers
 
 GiB = 1 << 30
 GPUS = {"h200": 141e9, "h100": 80e9, "b200": 180e9, "gb300": 288e9}  # bytes (vendor GB = 1e9)

@@ -54,7 +54,7 @@ def build_engine(
         model = load_model(model_dir, dtype=dtype, device=device)
         return Engine(model, engine_config, **text), tokenizer
     from k3batch.actors.world import spawn_runners
-    from k3batch.parallel.group import ParallelLayout
+    from k3batch.parallel.layout import ParallelLayout
 
     engine_config = sized(engine_config, cuda=device == "cuda")
     runner, decode = spawn_runners(

@@ -34,7 +34,8 @@ from k3batch.model.config import K3Config
 from k3batch.model.forward_batch import ForwardBatch
 from k3batch.model.loader import resolve_expert_dtype
 from k3batch.parallel import handoff, tp
-from k3batch.parallel.group import ParallelLayout, create_groups
+from k3batch.parallel.group import create_groups
+from k3batch.parallel.layout import ParallelLayout
 
 
 class DecodeRankActor:

@@ -20,11 +20,13 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import ray
-import torch
-import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +36,13 @@ SPAWN_TIMEOUT_S = 1800.0
 CALL_TIMEOUT_S = 600.0
 
 
-def actor_device(device: str) -> torch.device:
+def actor_device(device: str) -> "torch.device":
     """The torch device of a group actor ('cpu' or 'cuda': the GPU Ray assigned it). CPU actors
-    run the tiny debug flavors with one intra-op thread (see build.build_engine)."""
+    run the tiny debug flavors with one intra-op thread (see build.build_engine). torch is
+    imported here and in `join_process_group`, inside the actors: the driver that places them
+    imports this module without it."""
+    import torch
+
     if device == "cpu":
         torch.set_num_threads(1)
         return torch.device("cpu")
@@ -57,6 +63,8 @@ def member_info() -> dict:
 
 def join_process_group(device_type: str, host: str, port: int, rank: int, world_size: int,
                        timeout_s: float = 600) -> None:  # fmt: skip
+    import torch.distributed as dist
+
     dist.init_process_group(
         "nccl" if device_type == "cuda" else "gloo",
         init_method=f"tcp://{host}:{port}",

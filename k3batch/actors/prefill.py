@@ -32,7 +32,8 @@ from k3batch.engine.runner import arena_bytes
 from k3batch.model.forward_batch import ForwardBatch
 from k3batch.model.loader import load_model
 from k3batch.parallel import handoff
-from k3batch.parallel.group import ParallelLayout, create_groups
+from k3batch.parallel.group import create_groups
+from k3batch.parallel.layout import ParallelLayout
 from k3batch.parallel.pipeline import bank_size, pack_stream, unpack_stream
 
 # Compute intervals a stage remembers (the newest); enough for bubble statistics of any bench,

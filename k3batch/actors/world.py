@@ -15,8 +15,7 @@ from k3batch.actors.placement import Members, spawn_world
 from k3batch.actors.prefill import PrefillStageActor
 from k3batch.engine.config import EngineConfig
 from k3batch.model.config import K3Config
-from k3batch.parallel.group import ParallelLayout
-from k3batch.parallel.pipeline import split_layers
+from k3batch.parallel.layout import ParallelLayout, split_layers
 
 
 def spawn_runners(

@@ -1,6 +1,6 @@
 """Process groups as explicit values: `ParallelGroup` (a group, this process's rank in it, its
-size) with the three collectives the parallel leaf layers need, `ParallelLayout` (the TP and
-DCP degrees of a decode group, with one `validate`) and `create_groups`.
+size) with the three collectives the parallel leaf layers need, and `create_groups`, which
+makes a decode group's TP and DCP groups from its `layout.ParallelLayout`.
 
 Layout: TP ranks 0..N-1; DCP size M divides N; dcp_rank = tp_rank % M and the DCP group of a
 rank is the M consecutive ranks {r - r % M, ..., r - r % M + M - 1}. A group of size 1 needs
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from k3batch.parallel.layout import ParallelLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,51 +93,6 @@ class ParallelGroup:
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         return list(recv.unbind(0))
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ParallelLayout:
-    """Degrees of one decode group: tensor parallel over tp_size ranks, and decode context
-    parallelism (the MLA latent's tokens striped over dcp_size ranks) inside it."""
-
-    tp_size: int = 1
-    dcp_size: int = 1
-
-    def validate(self, config=None) -> "ParallelLayout":
-        """Raise ValueError naming the numbers; with a K3Config, also check that every split
-        dimension divides evenly."""
-        if self.tp_size < 1 or self.dcp_size < 1:
-            raise ValueError(
-                f"tp_size = {self.tp_size} and dcp_size = {self.dcp_size} must be >= 1"
-            )
-        if self.tp_size % self.dcp_size:
-            raise ValueError(f"dcp_size = {self.dcp_size} must divide tp_size = {self.tp_size}")
-        if config is None:
-            return self
-        widths = {
-            "kda_num_heads": config.kda_num_heads,
-            "num_attention_heads": config.num_attention_heads,
-            "num_experts": config.num_experts,
-            "vocab_size": config.vocab_size,
-        }
-        if config.first_k_dense_replace > 0:
-            widths["intermediate_size"] = config.intermediate_size
-        if config.num_shared_experts:
-            widths["shared expert width (moe_intermediate_size * num_shared_experts)"] = (
-                config.moe_intermediate_size * config.num_shared_experts
-            )
-        for name, value in widths.items():
-            if value % self.tp_size:
-                raise ValueError(f"tp_size = {self.tp_size} does not divide {name} = {value}")
-        return self
-
-    def dcp_rank(self, tp_rank: int) -> int:
-        return tp_rank % self.dcp_size
-
-    def dcp_ranks(self, tp_rank: int) -> list[int]:
-        """The TP ranks of tp_rank's DCP group, in DCP-rank order."""
-        first = tp_rank - tp_rank % self.dcp_size
-        return list(range(first, first + self.dcp_size))
 
 
 def create_groups(

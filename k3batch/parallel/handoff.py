@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from k3batch.parallel.group import ParallelLayout
+from k3batch.parallel.layout import ParallelLayout
 
 KINDS = ("kda_state", "kda_conv", "mla_latent")
 

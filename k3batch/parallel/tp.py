@@ -23,7 +23,8 @@ from k3batch.model.layers import GatedMLP
 from k3batch.model.loader import allocate_
 from k3batch.model.weights import check_halves_paired, load_expert_, plan_load
 from k3batch.parallel.context import ContextParallelMLA
-from k3batch.parallel.group import ParallelGroup, ParallelLayout
+from k3batch.parallel.group import ParallelGroup
+from k3batch.parallel.layout import ParallelLayout
 from k3batch.parallel.linear import ParallelSparseMoE, RowParallelLinear, VocabParallelLMHead
 
 # Leaf module (or parameter) names cut along their rows (dim 0): per-head projections, their

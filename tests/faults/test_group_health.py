@@ -22,7 +22,7 @@ from k3batch.actors.prefill import PrefillStageActor
 from k3batch.actors.replica import ReplicaActor
 from k3batch.engine.config import EngineConfig
 from k3batch.model.config import K3Config
-from k3batch.parallel.group import ParallelLayout
+from k3batch.parallel.layout import ParallelLayout
 
 # The remote functions below travel by value: Ray's workers cannot import test modules.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -16,8 +16,8 @@ from k3batch.engine.config import EngineConfig
 from k3batch.engine.engine import Engine
 from k3batch.engine.request import Phase, SamplingParams
 from k3batch.model.loader import load_model
-from k3batch.parallel.group import ParallelLayout
 from k3batch.parallel.handoff import reshard_request
+from k3batch.parallel.layout import ParallelLayout
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
 CFG = EngineConfig(max_num_seqs=4, max_seq_len=96, chunk_size=6)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from k3batch.model import get_flavor
-from k3batch.parallel.group import ParallelLayout
 from k3batch.parallel.handoff import handoff_bytes, reshard_request
+from k3batch.parallel.layout import ParallelLayout
 
 
 @pytest.mark.parametrize("dcp,tokens_on_rank0", [(1, 1000), (8, 125)])

@@ -11,7 +11,7 @@ from k3batch.engine.config import EngineConfig
 from k3batch.engine.runner import LocalRunner
 from k3batch.model.forward_batch import ForwardBatch
 from k3batch.model.loader import load_model
-from k3batch.parallel.pipeline import split_layers
+from k3batch.parallel.layout import split_layers
 
 
 def test_default_partition_follows_attn_res_blocks():

@@ -32,7 +32,7 @@ from k3batch.model import K3Model, get_flavor
 from k3batch.model.forward_batch import ForwardBatch
 from k3batch.model.init import init_random_
 from k3batch.parallel.context import merge_lse, partial_attention
-from k3batch.parallel.group import ParallelGroup, ParallelLayout, create_groups
+from k3batch.parallel.group import ParallelGroup, create_groups
 from k3batch.parallel.handoff import (
     ALIGN_BYTES,
     handoff_bytes,
@@ -41,6 +41,7 @@ from k3batch.parallel.handoff import (
     unpack,
     unshard_request,
 )
+from k3batch.parallel.layout import ParallelLayout
 from k3batch.parallel.tp import build_rank_model, load_rank_weights_, shard_full_state_dict
 from k3batch.simcluster import free_port
 from k3batch.testing import K3_MINI, assert_close, slot_batch, slot_cache, slot_pages, slot_tensors
