@@ -1,7 +1,8 @@
-"""Pipeline parallelism: what crosses a prefill stage boundary (which layers each stage holds is
-`layout.split_layers`). Between stages only the AttnRes stream crosses: the completed block summaries (the embedding b_0 first) and the
-current partial sum, packed as one tensor [num_bank + 1, T, D]. The bank size at a boundary is
-fixed by the layer index, so the receiver knows the shape from the batch alone.
+"""Pipeline parallelism: what crosses a prefill stage boundary (which layers each stage holds
+is `layout.split_layers`). Between stages only the AttnRes stream crosses: the completed block
+summaries (the embedding b_0 first) and the current partial sum, packed as one tensor
+[num_bank + 1, T, D]. The bank size at a boundary is fixed by the layer index, so the receiver
+knows the shape from the batch alone.
 """
 
 import torch
