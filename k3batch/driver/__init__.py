@@ -19,14 +19,8 @@ Modules: `job` (run_job: setup and teardown), `inputs` (survey, schema contract)
 benchmark), `bench` (driver memory and time at scale).
 """
 
+from k3batch.lazy import lazy_attributes
+
 __all__ = ["run_job"]
 
-
-def __getattr__(name: str):
-    """`run_job`, imported on first use: a worker that imports one light module of the package
-    (`intake`'s tokenize task, `fake`) does not load the job's whole import tree (torch)."""
-    if name == "run_job":
-        from k3batch.driver.job import run_job
-
-        return run_job
-    raise AttributeError(f"module 'k3batch.driver' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, run_job="k3batch.driver.job")  # torch on first use
