@@ -8,6 +8,8 @@ of `merge.py` over the splits; with one split stage 1 writes the output directly
 returned, so DCP ranks merge their partials with the same code.
 The head block is the fastest-varying program id: the programs that read one split's latent
 rows run side by side and share them through L2.
+With two warpgroups (SPLIT_SCORES, the many-head launch) each computes the scores of half the
+tile's tokens and both then use all of p for their half of the latent: see `_split_scores_loop`.
 
 Shape legend: B sequences, H heads, L latent (kv_lora), R rope dims, C = L + R, P pages,
 N tokens per page, M splits.
@@ -19,6 +21,82 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from k3kernels.mla.merge import merge_lse
+
+
+@triton.jit
+def _tile(n0, start, end, b, pool_ptr, rows_ptr, stride_pp, stride_pt, stride_rb,
+          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, ANY_N0: tl.constexpr):  # fmt: skip
+    """(cached row pointers [BLOCK_N], ok [BLOCK_N]) of the tokens at positions n0.., ok where
+    start <= position < end; n0 in [start, end) unless ANY_N0."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    ok = (pos >= start) & (pos < end) if ANY_N0 else pos < end
+    if PAGE % BLOCK_N == 0:  # the tile lies in one page: one page row, a scalar
+        row_ptr = rows_ptr + b * stride_rb + n0 // PAGE
+        if ANY_N0:
+            page_row = tl.load(row_ptr, mask=(n0 >= start) & (n0 < end), other=0)
+        else:
+            page_row = tl.load(row_ptr)
+        tok = (pool_ptr + page_row.to(tl.int64) * stride_pp
+               + (n0 % PAGE + tl.arange(0, BLOCK_N)) * stride_pt)  # fmt: skip
+    else:
+        page_row = tl.load(rows_ptr + b * stride_rb + pos // PAGE, mask=ok, other=0)
+        tok = pool_ptr + page_row.to(tl.int64) * stride_pp + (pos % PAGE) * stride_pt
+    return tok, ok
+
+
+@triton.jit
+def _split_scores_loop(q_lat, q_rope, m, denom, acc, offs_l, l_ok, start, end, b, pool_ptr,
+                       rows_ptr, stride_pp, stride_pt, stride_rb, qk_scale, L: tl.constexpr,
+                       R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """The token loop for two warpgroups (8 warps) over BLOCK_H = 64 heads: each computes the
+    scores of half the tile's tokens, and p goes to both through shared memory, so the scores
+    are computed once. Triton (3.6 to 3.9) gives a dot whose result reaches another dot all its
+    warps along M (`warpsPerTileV3`, for softmax rows within a warp), and 8 warps over 64 rows
+    then compute every score twice, 1.53x the useful MMA work. Its check follows uses, not
+    values carried by a loop or yielded by an `if`, so here no use of a score dot's result
+    leads to a dot: the softmax sits in an `if` (whose condition is real: the loop starts one
+    tile early, a tile of no tokens), and the rope half of the scores, the latent dot's
+    accumulator, is computed one tile ahead and carried by the loop. Each use of a dot's
+    result first appears outside the `if` (the row max): Triton 3.6's pipeliner fails when a
+    dot result is first used inside one. One H200, 96 heads x 64 x 8K, 64-token pages: 0.456
+    against 0.555 ms (`benchmarks/kernels_h200.txt`)."""
+    s_rope = tl.zeros([q_lat.shape[0], BLOCK_N], dtype=tl.float32)
+    for n0 in range(start - BLOCK_N, end, BLOCK_N):
+        tok, ok = _tile(n0, start, end, b, pool_ptr, rows_ptr, stride_pp, stride_pt, stride_rb,
+                        PAGE, BLOCK_N, True)  # fmt: skip
+        c = tl.load(tok[:, None] + offs_l[None, :], mask=ok[:, None] & l_ok[None, :], other=0.0)
+        s = tl.dot(q_lat, tl.trans(c), s_rope, input_precision=PRECISION)
+        s = tl.where(ok[None, :], s * qk_scale, -float("inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        if n0 >= start:
+            alpha = tl.exp2(m - m_new)
+            p32 = tl.exp2(s - m_new[:, None])
+            denom = denom * alpha + tl.sum(p32, axis=1)
+            p = p32.to(c.dtype)
+        else:  # the tile before the split: no tokens (a computed zero p: a constant tile would
+            # take its own shared memory)
+            alpha = tl.zeros_like(m)
+            p = tl.where(ok[None, :], s, 0.0).to(c.dtype)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p, c, acc, input_precision=PRECISION)
+        m = m_new
+        s_rope = _rope_scores(q_rope, n0 + BLOCK_N, start, end, b, pool_ptr, rows_ptr, stride_pp,
+                              stride_pt, stride_rb, L, R, PAGE, BLOCK_N, BLOCK_R, PRECISION)
+    return m, denom, acc
+
+
+@triton.jit
+def _rope_scores(q_rope, n0, start, end, b, pool_ptr, rows_ptr, stride_pp, stride_pt, stride_rb,
+                 L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """q_rope . k_rope [BLOCK_H, BLOCK_N] of the tile at positions n0.. (0 past the split)."""
+    tok, ok = _tile(n0, start, end, b, pool_ptr, rows_ptr, stride_pp, stride_pt, stride_rb,
+                    PAGE, BLOCK_N, True)  # fmt: skip
+    offs_r = tl.arange(0, BLOCK_R)
+    k_rope = tl.load(tok[:, None] + L + offs_r[None, :], mask=ok[:, None] & (offs_r < R)[None, :],
+                     other=0.0)  # fmt: skip
+    return tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
 
 
 @triton.jit
@@ -50,6 +128,7 @@ def mla_decode_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (exact products), else "tf32" (unused)
+    SPLIT_SCORES: tl.constexpr,  # two warpgroups: `_split_scores_loop`
 ):
     hb = tl.program_id(0)
     split = tl.program_id(1)
@@ -73,30 +152,30 @@ def mla_decode_kernel(
     m = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     denom = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        ok = pos < end
-        if PAGE % BLOCK_N == 0:  # the tile lies in one page: one page row, a scalar
-            page_row = tl.load(rows_ptr + b * stride_rb + n0 // PAGE)
-            tok = (pool_ptr + page_row.to(tl.int64) * stride_pp
-                   + (n0 % PAGE + tl.arange(0, BLOCK_N)) * stride_pt)  # fmt: skip
-        else:
-            page_row = tl.load(rows_ptr + b * stride_rb + pos // PAGE, mask=ok, other=0)
-            tok = pool_ptr + page_row.to(tl.int64) * stride_pp + (pos % PAGE) * stride_pt
-        c = tl.load(tok[:, None] + offs_l[None, :], mask=ok[:, None] & l_ok[None, :], other=0.0)
-        k_rope = tl.load(
-            tok[:, None] + L + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0
+    if SPLIT_SCORES:
+        m, denom, acc = _split_scores_loop(
+            q_lat, q_rope, m, denom, acc, offs_l, l_ok, start, end, b, pool_ptr, rows_ptr,
+            stride_pp, stride_pt, stride_rb, qk_scale, L, R, PAGE, BLOCK_N, BLOCK_R, PRECISION
         )
-        s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION) + tl.dot(
-            q_rope, tl.trans(k_rope), input_precision=PRECISION
-        )  # [BLOCK_H, BLOCK_N]
-        s = tl.where(ok[None, :], s * qk_scale, -float("inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
-        m = m_new
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            tok, ok = _tile(n0, start, end, b, pool_ptr, rows_ptr, stride_pp, stride_pt,
+                            stride_rb, PAGE, BLOCK_N, False)  # fmt: skip
+            c = tl.load(tok[:, None] + offs_l[None, :], mask=ok[:, None] & l_ok[None, :],
+                        other=0.0)  # fmt: skip
+            k_rope = tl.load(
+                tok[:, None] + L + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0
+            )
+            s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION) + tl.dot(
+                q_rope, tl.trans(k_rope), input_precision=PRECISION
+            )  # [BLOCK_H, BLOCK_N]
+            s = tl.where(ok[None, :], s * qk_scale, -float("inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
+            m = m_new
 
     empty = denom == 0.0
     out = acc / tl.where(empty, 1.0, denom)[:, None]
@@ -123,24 +202,25 @@ def mla_decode_kernel(
 #   ms; with per-token page rows 0.205 ms; 32-token tiles 0.168 ms at 8 splits. Memory bound
 #   (16 x 1,088 x 2 FLOP per 1,152-byte token); the splits fill whole waves (5 splits: 0.19-0.20
 #   ms). The 96-head and 16-token-page figures below are the eager sweep's.
-# - 96 heads (one GPU, no TP): 64 heads, 64 tokens, 8 warps, 2 stages, 3 splits: 0.547 ms, 26% of
-#   copy (0.549 ms as CUDA-graph replays; 3 stages: 0.679; with per-token page rows the best was 3
-#   stages, 0.627 ms). At 96 heads the step is at the H200's ridge point (~180 FLOP per latent
-#   byte), so the tensor cores, not the bandwidth, bound it. Per 64-token block each of the two
-#   warpgroups issues 72 HGMMA.64x32x16 for the scores, the whole [64, 64] tile over C = 576, then 4
-#   HGMMA.64x256x16 for its half of the latent: Triton gives a dot whose result feeds another dot
-#   all its warps along M (so that softmax rows stay inside a warp), and with 8 warps over 64 rows
-#   both warpgroups compute the same scores: 1.53x the useful MMA work, 2.04x with the 96 heads
-#   padded to 128. 80% of copy needs 618 TFLOP/s of useful work: the scores computed once by one
-#   warpgroup and handed to both through shared memory (FlashMLA's split), which Triton's dot
-#   layouts do not express. The transpose (scores^T = c q^T, acc^T += c^T p^T: tokens, then the
-#   latent, as the MMAs' M) computes each score once but measured slower, 0.80 ms at best over 30
-#   launch settings (its 64-head, 4-warp tile spills the [512, 64] fp32 accumulator; 128-token tiles
-#   overflow shared memory). Rescaling the accumulator lazily (only when a row's max grows by 2^8)
-#   was slower too (0.83 against 0.72 ms then): the block-uniform branch broke the overlap of the
-#   two MMAs.
-# - 16-token pages (the engine's default; tiles span pages, per-token rows): 12 heads 0.211 ms
-#   with 32-token tiles (64: 0.282); 96 heads 0.633 ms with 3 stages (2: 0.711).
+# - 96 heads (one GPU, no TP): 64 heads, 64 tokens, 8 warps, 2 stages, 3 splits. At 96 heads
+#   the step is at the H200's ridge point (~180 FLOP per latent byte): the tensor cores, not the
+#   bandwidth, bound it. Before `_split_scores_loop`, Triton computed every score twice (each of
+#   the two warpgroups issued 72 HGMMA.64x32x16 per 64-token block for the whole [64, 64] score
+#   tile over C = 576, then 4 HGMMA.64x256x16 for its half of the latent: 1.53x the useful MMA
+#   work, 2.04x with the 96 heads padded to 128): 0.549 ms as CUDA-graph replays, 25.8% of copy
+#   (0.547 eager; 3 stages 0.679; per-token page rows at best 0.627). With it, 36 + 4 HGMMA per
+#   warpgroup (1.33x with the padding): 0.455 ms, 31% of copy, 240 TFLOP/s of useful work (the
+#   SASS loop 1,186 -> 749 instructions per block, 216 -> 224 KiB of shared memory: the p tile
+#   both warpgroups read). 80% of copy needs 618 TFLOP/s of useful work, 824 with the padding,
+#   above the 777 that a bf16 GEMM reaches here. Not kept: the transpose (scores^T = c q^T,
+#   acc^T += c^T p^T: tokens, then the latent, as the MMAs' M) computes each score once without
+#   the padding but measured 0.80 ms at best over 30 launch settings (its 64-head, 4-warp tile
+#   spills the [512, 64] fp32 accumulator; 128-token tiles overflow shared memory); rescaling
+#   the accumulator lazily (only when a row's max grows by 2^8) was slower too (0.83 against
+#   0.72 ms then): the block-uniform branch broke the overlap of the two MMAs.
+# - 16-token pages (the engine's default; tiles span pages, per-token rows): 12 heads 0.208 ms
+#   with 32-token tiles (64: 0.282); 96 heads 0.607 ms (0.643 before `_split_scores_loop`, with 3
+#   stages; 2 stages were 0.711 then).
 # FALLBACK fits where a default launch does not (out of shared memory: fp32 inputs).
 SMALL_HEADS = 16  # at most this many heads: one head block, memory bound
 FALLBACK = dict(block_h=SMALL_HEADS, block_n=32, num_warps=4, num_stages=2)
@@ -153,7 +233,7 @@ def launch_config(num_heads: int, page_size: int = 64) -> dict:
     if num_heads <= SMALL_HEADS:  # TP / DCP ranks
         return dict(block_h=SMALL_HEADS, block_n=64 if one_page else 32, num_warps=4,
                     num_stages=2)
-    return dict(block_h=64, block_n=64, num_warps=8, num_stages=2 if one_page else 3)
+    return dict(block_h=64, block_n=64, num_warps=8, num_stages=2)
 
 
 def _precision(dtype) -> str:
@@ -244,5 +324,6 @@ def _launch(q, pool, rows, lens, part, lse, H, L, R, M, qk_scale, *, block_h, bl
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         L=L, R=R, PAGE=pool.shape[1], NUM_SPLITS=M, BLOCK_H=block_h, BLOCK_N=block_n,
         BLOCK_L=triton.next_power_of_2(L), BLOCK_R=max(16, triton.next_power_of_2(R)),
-        PRECISION=_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        PRECISION=_precision(q.dtype), SPLIT_SCORES=num_warps == 8, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip

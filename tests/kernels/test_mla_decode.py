@@ -66,9 +66,11 @@ def test_mla_decode_matches_reference(lens, H, splits, ramp):
 
 
 @pytest.mark.parametrize("page_size,splits", [(64, 2), (128, 3)], ids=["page64", "page128"])
-def test_mla_decode_tiles_within_one_page(page_size, splits):
-    """Pages a multiple of the token tile (K3's 64-token pages): one page row per tile."""
-    (o, lse), (o_ref, lse_ref) = _decode_case([70, 3, 129], 2, 32, 8, page_size,
+@pytest.mark.parametrize("H", [2, 20], ids=["H2", "H20-split-scores"])
+def test_mla_decode_tiles_within_one_page(page_size, splits, H):
+    """Pages a multiple of the token tile (K3's 64-token pages): one page row per tile. H20:
+    the two-warpgroup loop (`_split_scores_loop`), whose first tile lies before the split."""
+    (o, lse), (o_ref, lse_ref) = _decode_case([70, 3, 129], H, 32, 8, page_size,
                                               torch.float32, 1, splits)  # fmt: skip
     _check("decode_o", torch.float32, o_ref, o)
     _check("decode_lse", torch.float32, lse_ref, lse.cpu())
