@@ -56,7 +56,7 @@ def _split_scores_loop(q_lat, q_rope, m, denom, acc, offs_l, l_ok, start, end, b
     then compute every score twice, 1.53x the useful MMA work. Its check follows uses, not
     values carried by a loop or yielded by an `if`, so here no use of a score dot's result
     leads to a dot: the softmax sits in an `if` (whose condition is real: the loop starts one
-    tile early, a tile of no tokens), and the rope half of the scores, the latent dot's
+    tile early, a tile of no tokens), and the rope part of the scores, the latent dot's
     accumulator, is computed one tile ahead and carried by the loop. Each use of a dot's
     result first appears outside the `if` (the row max): Triton 3.6's pipeliner fails when a
     dot result is first used inside one. One H200, 96 heads x 64 x 8K, 64-token pages: 0.456
