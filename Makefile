@@ -20,8 +20,12 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/python -m k3batch.demo
 
+# Two pytest-xdist workers, each given whole test files (--dist loadfile: a module's shared
+# fixtures, its model, reference run and Ray cluster, are built once). Much of the suite waits
+# on Ray processes starting; the other worker uses that time. Each worker starts its own Ray
+# head (own temp dir, ports and token: tests/conftest.py).
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # The built wheel, installed in a fresh venv, runs a tiny job (offline; about a minute, so it is
 # marked slow and kept out of `make test`, which still builds, installs and imports it).

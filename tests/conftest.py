@@ -72,6 +72,8 @@ class Head:
 
 @pytest.fixture(scope="session")
 def ray_head():
+    """One head per test session; under pytest-xdist (`make test`) one per worker, which share
+    nothing: each has its own temp dir, free ports and token."""
     token = os.environ["RAY_AUTH_TOKEN"]
     # Short path: Ray's unix socket paths live under it (108-byte limit).
     temp_dir = tempfile.mkdtemp(prefix="k3r", dir="/tmp")

@@ -18,6 +18,7 @@ and stops its own cluster. The module skips when Ray is already connected.
 """
 
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -51,12 +52,15 @@ def fixed_head():
     """A head that runs nothing but tokenize tasks (1 CPU, no GPU), started once for the tests
     that add worker nodes (`fixed_cluster`)."""
     # Cluster() writes the head's address into Ray's default temp dir, which it does not create
+    # (a ray.init() without an address, here or in another xdist worker, would join this head:
+    # the tests here and elsewhere all pass one)
     os.makedirs(os.path.dirname(ray._private.utils.get_ray_address_file(None)), exist_ok=True)
+    temp_dir = tempfile.mkdtemp(prefix="k3c", dir="/tmp")
     cluster = Cluster(
         initialize_head=True,
         head_node_args=dict(
             num_cpus=1,
-            temp_dir=tempfile.mkdtemp(prefix="k3c", dir="/tmp"),
+            temp_dir=temp_dir,
             gcs_server_port=free_port(),
             include_dashboard=False,
             dashboard_agent_listen_port=free_port(),
@@ -67,6 +71,7 @@ def fixed_head():
         yield cluster
     finally:
         cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)  # shutdown() leaves it (one per run)
 
 
 @pytest.fixture
