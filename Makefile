@@ -20,10 +20,11 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/python -m k3batch.demo
 
-# Two pytest-xdist workers, each given whole test files (--dist loadfile: a module's shared
-# fixtures, its model, reference run and Ray cluster, are built once). Much of the suite waits
-# on Ray processes starting; the other worker uses that time. Each worker starts its own Ray
-# head (own temp dir, ports and token: tests/conftest.py).
+# Two pytest-xdist workers, each given whole test files, and tests/kernels whole to one of them
+# (--dist loadfile and tests/conftest.py: a module's shared fixtures, its model, reference run
+# and Ray cluster, are built once; the sm_90 compile check sees every kernel launch). Much of
+# the suite waits on Ray processes starting; the other worker uses that time. Each worker
+# starts its own Ray head (own temp dir, ports and token: tests/conftest.py).
 test: setup
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 

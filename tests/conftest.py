@@ -58,6 +58,27 @@ def mini_model_dir(tmp_path_factory) -> str:
     return str(path)
 
 
+# ---- pytest-xdist (`make test`: two workers, --dist loadfile) ---------------------------------
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile (each test file whole on one worker: its module fixtures, models,
+    reference runs and Ray clusters, built once), with tests/kernels all on one worker: the
+    sm_90 compile check (`kernels/test_sm90_compile.py`, last) compiles every kernel launch
+    made in its process. (--dist loadgroup would say it with marks, but xdist 3.8 cannot set a
+    group on pytest 9's node ids.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class KernelsTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith("tests/kernels/"):
+                return "tests/kernels"
+            return super()._split_scope(nodeid)
+
+    return KernelsTogether(config, log)
+
+
 # ---- a local Ray head for the Ray tests: token auth on, its own session, stopped afterwards ----
 RAY = str(Path(sys.executable).with_name("ray"))
 STARTUP_TIMEOUT_S = 60
