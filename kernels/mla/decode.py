@@ -45,10 +45,10 @@ def _tile(n0, start, end, b, pool_ptr, rows_ptr, stride_pp, stride_pt, stride_rb
 
 
 @triton.jit
-def _split_scores_loop(q_lat, q_rope, m, denom, acc, offs_l, l_ok, start, end, b, pool_ptr,
-                       rows_ptr, stride_pp, stride_pt, stride_rb, qk_scale, L: tl.constexpr,
-                       R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+def _split_scores_loop(q_lat, q_rope, m, denom, acc, offs_l, l_ok, offs_r, r_ok, start, end, b,
+                       pool_ptr, rows_ptr, stride_pp, stride_pt, stride_rb, qk_scale,
+                       L: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PRECISION: tl.constexpr):  # fmt: skip
     """The token loop for two warpgroups (8 warps) over BLOCK_H = 64 heads: each computes the
     scores of half the tile's tokens, and p goes to both through shared memory, so the scores
     are computed once. Triton (3.6 to 3.9) gives a dot whose result reaches another dot all its
@@ -81,20 +81,20 @@ def _split_scores_loop(q_lat, q_rope, m, denom, acc, offs_l, l_ok, start, end, b
         acc = acc * alpha[:, None]
         acc = tl.dot(p, c, acc, input_precision=PRECISION)
         m = m_new
-        s_rope = _rope_scores(q_rope, n0 + BLOCK_N, start, end, b, pool_ptr, rows_ptr, stride_pp,
-                              stride_pt, stride_rb, L, R, PAGE, BLOCK_N, BLOCK_R, PRECISION)
+        s_rope = _rope_scores(q_rope, offs_r, r_ok, n0 + BLOCK_N, start, end, b, pool_ptr,
+                              rows_ptr, stride_pp, stride_pt, stride_rb, L, PAGE, BLOCK_N,
+                              PRECISION)  # fmt: skip
     return m, denom, acc
 
 
 @triton.jit
-def _rope_scores(q_rope, n0, start, end, b, pool_ptr, rows_ptr, stride_pp, stride_pt, stride_rb,
-                 L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+def _rope_scores(q_rope, offs_r, r_ok, n0, start, end, b, pool_ptr, rows_ptr, stride_pp,
+                 stride_pt, stride_rb, L: tl.constexpr, PAGE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """q_rope . k_rope [BLOCK_H, BLOCK_N] of the tile at positions n0.. (0 past the split)."""
     tok, ok = _tile(n0, start, end, b, pool_ptr, rows_ptr, stride_pp, stride_pt, stride_rb,
                     PAGE, BLOCK_N, True)  # fmt: skip
-    offs_r = tl.arange(0, BLOCK_R)
-    k_rope = tl.load(tok[:, None] + L + offs_r[None, :], mask=ok[:, None] & (offs_r < R)[None, :],
+    k_rope = tl.load(tok[:, None] + L + offs_r[None, :], mask=ok[:, None] & r_ok[None, :],
                      other=0.0)  # fmt: skip
     return tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
 
@@ -154,8 +154,8 @@ def mla_decode_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
     if SPLIT_SCORES:
         m, denom, acc = _split_scores_loop(
-            q_lat, q_rope, m, denom, acc, offs_l, l_ok, start, end, b, pool_ptr, rows_ptr,
-            stride_pp, stride_pt, stride_rb, qk_scale, L, R, PAGE, BLOCK_N, BLOCK_R, PRECISION
+            q_lat, q_rope, m, denom, acc, offs_l, l_ok, offs_r, r_ok, start, end, b, pool_ptr,
+            rows_ptr, stride_pp, stride_pt, stride_rb, qk_scale, L, PAGE, BLOCK_N, PRECISION
         )
     else:
         for n0 in range(start, end, BLOCK_N):
