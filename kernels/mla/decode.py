@@ -60,7 +60,7 @@ def _split_scores_loop(q_lat, q_rope, m, denom, acc, offs_l, l_ok, offs_r, r_ok,
     accumulator, is computed one tile ahead and carried by the loop. Each use of a dot's
     result first appears outside the `if` (the row max): Triton 3.6's pipeliner fails when a
     dot result is first used inside one. One H200, 96 heads x 64 x 8K, 64-token pages: 0.456
-    against 0.555 ms (`benchmarks/kernels_h200.txt`)."""
+    against 0.555 ms in one A/B run (`benchmarks/kernels_h200.txt`)."""
     s_rope = tl.zeros([q_lat.shape[0], BLOCK_N], dtype=tl.float32)
     for n0 in range(start - BLOCK_N, end, BLOCK_N):
         tok, ok = _tile(n0, start, end, b, pool_ptr, rows_ptr, stride_pp, stride_pt, stride_rb,
