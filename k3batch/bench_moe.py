@@ -4,12 +4,13 @@ The workload is one prefill chunk through every MoE layer of a flavor (k3-slice:
 8,192 tokens, top-2 of 112 experts, latent width 3584, expert width 3072), each layer with its
 own random bf16 weights and routes drawn like a router's (top-k of random scores, so about
 T k / E slots per expert). Useful FLOPs: 2 T k (3 D I) per layer (gate-up 2 D 2 I, down 2 I D).
-Rows: "experts" (the whole `fused_experts` pass: sort, gather, grouped GEMMs, fused activation,
-combine), "gemm" (the two grouped GEMMs alone on pre-sorted rows, the ceiling of this design),
-"experts-triton" / "gemm-triton" (the Triton grouped GEMM, 16-row tiles at decode shapes and 64
-at prefill, `k3kernels.moe.grouped_gemm_triton`), "torch-elementwise" (the pass with torch
-activation and combine, to show what fusing buys) and "loop-before" (the per-expert loop this
-replaced: counts read on the host, two GEMMs for gate and up, torch activation, index_add_).
+Rows: "experts" / "gemm" (the whole `fused_experts` pass: sort, gather, grouped GEMMs, fused
+activation, combine; the two grouped GEMMs alone on pre-sorted rows, the ceiling of this
+design) with torch's grouped GEMM, "experts-triton" / "gemm-triton" the same with the Triton
+grouped GEMM (`k3kernels.moe.grouped_gemm_triton`, what the model runs on an H200),
+"torch-elementwise" (the pass with torch activation and combine, to show what fusing buys)
+and "loop-before" (the per-expert loop this replaced: counts read on the host, two GEMMs for
+gate and up, torch activation, index_add_).
 A row that fails reports its error instead of a time.
 With `--expert-dtype mxfp4` the experts are quantized and kept packed: "experts-mxfp4" and
 "gemm-mxfp4" run the W4A16 kernel (`k3kernels.moe.w4a16`), their TB/s counted on the packed
@@ -145,7 +146,7 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
         name = "gemm-mxfp4" if expert_dtype == "mxfp4" else "gemm-triton"
         impls += [(f"{name} {json.dumps(cfg)}", gemm(cfg=cfg))
                   for cfg in sweep_configs(regime(num_tokens * k, config.num_experts) == "decode",
-                                           tails=expert_dtype == "bf16")]  # fmt: skip
+                                           bf16=expert_dtype == "bf16")]  # fmt: skip
     for impl, fn in impls:
         try:
             ms = time_ms(fn, repeats, graph=impl != "loop-before")  # it reads counts on the host
@@ -179,20 +180,22 @@ def save_best(rows: list[dict], expert_dtype: str, num_slots: int, num_experts: 
     return cfg
 
 
-def sweep_configs(decode: bool, tails: bool = False) -> list[dict]:
-    """Launch configs of the Triton grouped GEMMs (bf16 and W4A16) that `--sweep` times; with
-    tails (the bf16 kernel) also prefill tiles with `block_t` (see `grouped_mm_triton`)."""
+def sweep_configs(decode: bool, bf16: bool = False) -> list[dict]:
+    """Launch configs of the Triton grouped GEMMs (bf16 and W4A16) that `--sweep` times; bf16:
+    the bf16 kernel's prefill tiles, block_m + block_t rows (see `grouped_mm_triton`)."""
     keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
     if decode:  # 256-wide columns: fewer W4A16 instructions per weight in the SASS and fewer
         # registers than 16 x 128 x 256, but slower on the H200 (3.24-3.51 ms against 2.90 at
         # 64 tokens, 8630319)
         grid = itertools.product((16,), (32, 64, 128, 256), (64, 128, 256), (2, 4), (2, 3, 4))
         return [dict(zip(keys, values)) for values in grid]
-    grid = itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
-    # 128-row tiles whose last, partial tile per expert runs in steps of block_t rows
-    tailed = itertools.product((128,), (128, 256), (64,), (8,), (3, 4), (32, 64))
-    return [dict(zip(keys, values)) for values in grid] + (
-        [dict(zip((*keys, "block_t"), values)) for values in tailed] if tails else [])
+    if not bf16:
+        grid = itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
+        return [dict(zip(keys, values)) for values in grid]
+    grid = itertools.product((128,), (0, 16, 32, 64), (128, 256), (64,), (4, 8), (3, 4))
+    configs = [dict(zip((*keys[:1], "block_t", *keys[1:]), values)) for values in grid]
+    return [c for c in configs if c["block_n"] == 128 or c["num_warps"] == 8] + [
+        dict(block_m=64, block_t=32, block_n=128, block_k=64, num_warps=4, num_stages=3)]
 
 
 def _loop_experts(x_TD, w13, w2, ids_Tk, weights_Tk, *, act, beta, linear_beta):

@@ -31,15 +31,16 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
     dtype per call, the reference path); ids [T, k] global expert ids; weights [T, k].
     use_triton: the fused Triton activation and combine (default: on CUDA).
     gemm_impl: "torch" (`torch._grouped_mm`), "triton" (`grouped_gemm_triton`) or "auto": Triton
-    at decode shapes (`grouped_gemm_triton.regime`; one H200, k3-slice, 64 tokens: 3.94 TB/s
-    against 2.88 on the expert bytes), torch otherwise (prefill: 48% of the bf16 peak against
-    43% for the Triton kernel at its best tiles).
+    on a CUDA GPU of compute capability 9 or more (TMA) at decode shapes
+    (`grouped_gemm_triton.regime`) and for bf16 at prefill (one H200, k3-slice: 3.9 TB/s
+    against 2.9 on the expert bytes at 64 tokens, 58% of the bf16 peak against 48% at 8,192),
+    torch otherwise (fp32 prefill: fp32 GEMMs, not TF32).
     """
     if use_triton is None:
         use_triton = x_TD.is_cuda
     if isinstance(w13_EFD, MXFP4Weight) and not use_triton:  # the reference path
         w13_EFD, w2_EDI = w13_EFD.dequantize(x_TD.dtype), w2_EDI.dequantize(x_TD.dtype)
-    gemm = _pick_gemm(w13_EFD, ids_Tk, x_TD.is_cuda, gemm_impl)
+    gemm = _pick_gemm(w13_EFD, w2_EDI, ids_Tk, x_TD.is_cuda, gemm_impl)
     T = x_TD.shape[0]
     if T == 0:
         return torch.zeros(0, w2_EDI.shape[1], dtype=torch.float32, device=x_TD.device)
@@ -64,17 +65,19 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
     return combine_reference(y_MD, order.slot_pos_Tk, weights_Tk, order.valid_Tk)
 
 
-def _pick_gemm(w13, ids_Tk, cuda: bool, gemm_impl: str):
+def _pick_gemm(w13, w2, ids_Tk, cuda: bool, gemm_impl: str):
     """The grouped GEMM for these weights (see `fused_experts`): W4A16 for packed experts."""
     if isinstance(w13, MXFP4Weight):
         from k3kernels.moe.w4a16 import grouped_mm_mxfp4
 
         return grouped_mm_mxfp4
     if gemm_impl == "auto":
-        from k3kernels.moe.grouped_gemm_triton import regime
+        from k3kernels.moe.grouped_gemm_triton import regime, tma_ready
 
         decode = regime(ids_Tk.numel(), w13.shape[0]) == "decode"
-        gemm_impl = "triton" if decode and cuda else "torch"
+        tma = cuda and torch.cuda.get_device_capability(w13.device) >= (9, 0)
+        tma = tma and tma_ready(w13) and tma_ready(w2)
+        gemm_impl = "triton" if tma and (decode or w13.dtype == torch.bfloat16) else "torch"
     if gemm_impl == "triton":
         from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton
 

@@ -1,35 +1,37 @@
-"""Grouped GEMM over experts as one Triton kernel with small row tiles (an alternative to
-`torch._grouped_mm`, whose 128-row tiles waste 43% of the rows on K3-slice prefill groups of
-~146 rows, and nearly all of them on decode groups of 1-2 rows; see grouped_gemm.py). Same
-contract as `grouped_gemm.grouped_mm`.
+"""Grouped GEMM over experts as one Triton kernel (the CUDA path of the routed experts at
+prefill and decode; `torch._grouped_mm` elsewhere, see grouped_gemm.py). Same contract as
+`grouped_gemm.grouped_mm`.
 
-The M tiles are laid out per expert: expert e owns cdiv(count_e, block_m) tiles, numbered after
-those of the experts before it. Each program finds its tile's expert and first row itself from
-the group ends (`program_tile`: a scan over the experts' tile counts in registers); the grid is
-sized by a bound on the tiles, M // block_m + min(E, M), which needs no host read, and programs
-past the last real tile exit at once. (The table this replaced took ~15 small torch kernels per
-call: ~45 us of GPU time, more than the GEMM itself at one token.) Program order
-(`program_tile`) is expert-major: an expert's programs run side by side, N block after N block
-with its M tiles innermost, so both its rows of x and each [block_n, K] tile of its weight are
-read from memory once and then from L2. (In tile-major order, every N block streamed all of x
-again: at k3-slice prefill, 117 MB of rows 48 times per gate-up GEMM, about as many bytes as
-the weights themselves. On one H200 at k3-slice prefill the expert-major order took the GEMMs
-from 32.1 to 25.7 ms at the same tiles.) Each program computes a [block_m, block_n] tile of
-x[rows] @ w[e].T with fp32 accumulation (`tl.dot`; TF32 for fp32 inputs unless
-TRITON_F32_DEFAULT says otherwise). Runs under TRITON_INTERPRET=1 on CPU.
-Measured on one H200 at k3-slice prefill (`k3batch bench moe --sweep`, 7 layers x 8,192 tokens):
-~146 rows per expert fill one 128-row tile and 18/128 of a second, so 57% of the computed rows
-are useful. `block_t` runs each expert's last, partial tile in steps of block_t rows instead
-(the same program, its weight tile then read from L2). 128 x 256 x 64 tiles, 8 warps: 24.1 ms
-(40% of the bf16 peak) plain, 22.5 ms (43%) with block_t = 64 (76% of the rows useful), 26.3 ms
-with block_t = 32 (91% useful, but tiles under 64 rows run on mma.sync, not wgmma); torch's
-grouped GEMM takes 20.5 ms (48%) with its 128-row tiles, so it serves prefill. Per computed row
-this kernel's main tiles run at ~71% of the peak against ~83% for torch's CUTLASS one. Loading
-x and w through TMA descriptors instead (a trial, 2026-12-02, rows in
-`benchmarks/moe_k3slice_h200.jsonl`) took the same tiles with 64-row tail steps and 4 stages to
-20.7 ms, level with torch's 20.7 in that run, not past it; Triton's warp-specialized loop was
-slower (24.1 ms). At decode shapes the Triton kernel streams the weights at 3.9-4.0 TB/s
-against 2.8-3.0 for torch.
+Each program computes out[rows, cols]^T = w[e][cols] @ x[rows]^T: the weight tile is the MMA's
+M side (block_n output columns) and the expert's rows are its N side, where wgmma takes any
+multiple of 8 (as M it takes 64 per warpgroup; row tiles under 64 ran on mma.sync before). So an expert's rows are covered by a tile of block_m rows and a
+second one of block_t rows, and a program runs only what its rows need (both, the first, or the
+second alone). At k3-slice prefill (~146 rows per expert, 118-173 in the benchmark's draw) 128
++ 32 rows compute 160 per expert, 91% of them useful, where row tiles of 128 (torch's CUTLASS
+kernel, and this kernel before, with the rows as M) compute 256, 57% useful. x and w are read
+through TMA descriptors (host-side, `triton.tools.tensor_descriptor`; Hopper and later):
+rows past an expert's end are read (the next expert's, or zeros past the tensor) and not
+stored.
+
+Tiles are laid out per expert: expert e owns cdiv(count_e, block_m + block_t) of them,
+numbered after those of the experts before it. Each program finds its tile's expert and first
+row itself from the group ends (`program_tile`: a scan over the experts' tile counts in
+registers); the grid is sized by a bound on the tiles, M // tile + min(E, M), which needs no
+host read, and programs past the last real tile exit at once. Program order is expert-major:
+an expert's programs run side by side, column block after column block with its row tiles
+innermost, so its rows and each [block_n, K] weight tile are read from memory once and then
+from L2 (tile-major order streamed all of x again per column block: 32.1 -> 25.7 ms at k3-slice
+prefill on one H200).
+
+One H200, k3-slice prefill, the two GEMMs of 7 layers x 8,192 tokens (`k3batch bench moe
+--sweep`, rows in `benchmarks/moe_k3slice_h200.jsonl`): 128 + 32 rows x 128 columns x 64
+inputs, 8 warps, 3 stages: 15.7-16.6 ms (59-62% of the bf16 peak; 4 warps 16.5-16.9) against
+19.6-20.3 ms for `torch._grouped_mm` in the same runs; 128 + 64 rows 16.9, 128 + 0 20.5-20.8.
+Before, with the rows as M: 22.5 ms with pointer loads (128-row tiles, each expert's last one
+in steps of 64 rows), 20.7 with TMA. The swapped kernel with pointer loads took 19.6 ms. At
+decode (64 tokens, ~1 row per expert; block_m 16, block_t 0) it reads the experts' weights at
+4.2-4.5 TB/s (a read-only stream; the copy bandwidth is 4.26), as the kernel before did.
+Runs under TRITON_INTERPRET=1 on CPU.
 Shape legend: M sorted rows, K input width, N output width, E experts.
 """
 
@@ -87,52 +89,66 @@ def tile_rows_cols(first, offs_ptr, expert, n_block, N, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _gemm_tile(x_ptr, w_base, out_ptr, first, end, cols, col_ok, K, stride_x, stride_wn,
-               stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               UPCAST: tl.constexpr):  # fmt: skip
-    """out[rows] = x[rows] @ w.T over columns `cols` for rows [first, min(first + BLOCK_M, end))."""
-    rows = first + tl.arange(0, BLOCK_M)
-    row_ok = rows < end
-    kk = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + kk[None, :]
-    b_ptrs = w_base + cols.to(tl.int64)[None, :] * stride_wn + kk[:, None]  # [BK, BN]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+def _swapped_loop(xa_desc, xb_desc, w_desc, out_ptr, first, end, w_row, cols, col_ok, K,
+                  stride_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_A: tl.constexpr,
+                  ROWS_B: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """out[r, cols] = x[r] @ w[cols].T for the rows r below end of [first, first + ROWS_A)
+    (x through xa_desc, whose box is ROWS_A rows) and of [first + ROWS_A, + ROWS_B) (xb_desc),
+    as two accumulators [BLOCK_N, rows] sharing each weight tile; a size 0: no such tile."""
+    if ROWS_A > 0:
+        acc_a = tl.zeros([BLOCK_N, ROWS_A], dtype=tl.float32)
+    if ROWS_B > 0:
+        acc_b = tl.zeros([BLOCK_N, ROWS_B], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + kk) < K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        w = w_desc.load([w_row, k0])  # [BLOCK_N, BLOCK_K]
         if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc += tl.dot(a, b)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            w = w.to(tl.float32)
+        if ROWS_A > 0:
+            xa = xa_desc.load([first, k0])
+            acc_a += tl.dot(w, tl.trans(xa.to(tl.float32) if UPCAST else xa))
+        if ROWS_B > 0:
+            xb = xb_desc.load([first + ROWS_A, k0])
+            acc_b += tl.dot(w, tl.trans(xb.to(tl.float32) if UPCAST else xb))
+    if ROWS_A > 0:
+        _store_t(out_ptr, acc_a, first, end, cols, col_ok, stride_out, ROWS_A)
+    if ROWS_B > 0:
+        _store_t(out_ptr, acc_b, first + ROWS_A, end, cols, col_ok, stride_out, ROWS_B)
 
 
 @triton.jit
-def grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, offs_ptr, N, K, stride_x, stride_we, stride_wn,
-                        stride_out, E, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+def _store_t(out_ptr, acc, first, end, cols, col_ok, stride_out, ROWS: tl.constexpr):
+    """out[rows, cols] = acc.T for the rows [first, first + ROWS) below end."""
+    rows = first + tl.arange(0, ROWS)
+    o_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_out + cols[:, None]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < end)[None, :] & col_ok[:, None])
+
+
+@triton.jit
+def grouped_gemm_kernel(xa_desc, xb_desc, w_desc, out_ptr, offs_ptr, N, K, stride_out, E,
+                        BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
                         UPCAST: tl.constexpr):  # fmt: skip
-    expert, first, n_block = program_tile(offs_ptr, E, N, BLOCK_M, BLOCK_N, BLOCK_E)
+    expert, first, n_block = program_tile(offs_ptr, E, N, BLOCK_M + BLOCK_T, BLOCK_N, BLOCK_E)
     if expert < E:
-        end = tl.load(offs_ptr + expert)
+        end = tl.minimum(tl.load(offs_ptr + expert), first + BLOCK_M + BLOCK_T)
         cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
-        w_base = w_ptr + expert.to(tl.int64) * stride_we
-        if BLOCK_T > 0 and end - first < BLOCK_M:  # an expert's last, partial tile
-            for t0 in range(first, end, BLOCK_T):
-                _gemm_tile(x_ptr, w_base, out_ptr, t0, end, cols, col_ok, K, stride_x,
-                           stride_wn, stride_out, BLOCK_T, BLOCK_N, BLOCK_K, UPCAST)  # fmt: skip
+        w_row = expert * N + n_block * BLOCK_N  # in w viewed as [E N, K]
+        rows = end - first
+        if BLOCK_T > 0 and rows > BLOCK_M:
+            _swapped_loop(xa_desc, xb_desc, w_desc, out_ptr, first, end, w_row, cols, col_ok,
+                          K, stride_out, BLOCK_N, BLOCK_K, BLOCK_M, BLOCK_T, UPCAST)  # fmt: skip
+        elif BLOCK_T == 0 or rows > BLOCK_T:
+            _swapped_loop(xa_desc, xb_desc, w_desc, out_ptr, first, end, w_row, cols, col_ok,
+                          K, stride_out, BLOCK_N, BLOCK_K, BLOCK_M, 0, UPCAST)  # fmt: skip
         else:
-            _gemm_tile(x_ptr, w_base, out_ptr, first, end, cols, col_ok, K, stride_x,
-                       stride_wn, stride_out, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)  # fmt: skip
+            _swapped_loop(xa_desc, xb_desc, w_desc, out_ptr, first, end, w_row, cols, col_ok,
+                          K, stride_out, BLOCK_N, BLOCK_K, 0, BLOCK_T, UPCAST)  # fmt: skip
 
 
 DEFAULT_CONFIGS = {
     "decode": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4),
-    "prefill": dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
+    "prefill": dict(block_m=64, block_t=32, block_n=128, block_k=64, num_warps=4, num_stages=2),
 }
 TUNED_DIR = Path(__file__).with_name("tuned")  # one JSON per GPU name: {weights: {regime: cfg}}
 
@@ -173,27 +189,44 @@ def block_e(num_experts: int) -> int:
     return max(16, triton.next_power_of_2(num_experts))
 
 
+def tma_ready(t: torch.Tensor) -> bool:
+    """Whether a tensor can be read through a TMA descriptor as 2D rows (x [M, K], or w
+    [E, N, K] viewed as [E N, K]): unit last stride, row stride a multiple of 16 bytes, 16-byte
+    aligned data, experts one after the other."""
+    rows_ok = t.dim() == 2 or t.stride(0) == t.shape[1] * t.stride(1)
+    return (t.stride(-1) == 1 and rows_ok and t.stride(-2) * t.element_size() % 16 == 0
+            and t.data_ptr() % 16 == 0)  # fmt: skip
+
+
 def grouped_mm_triton(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
                       **config) -> torch.Tensor:  # fmt: skip
-    """out[r] = x[r] @ w[e].T for the rows r of group e; x [M, K], w [E, N, K] with unit last
-    strides, offs [E] int32 cumulative group ends. Rows after offs[-1] are left unwritten.
-    config: block_m, block_n, block_k, num_warps, num_stages (default `launch_config`), and
-    block_t: rows per step of each expert's last, partial tile (0: one block_m tile)."""
-    if x_MK.stride(-1) != 1 or w_ENK.stride(-1) != 1:
-        raise ValueError("grouped_mm_triton needs unit last strides on x and w")
+    """out[r] = x[r] @ w[e].T for the rows r of group e; x [M, K], w [E, N, K] (`tma_ready`
+    both), offs [E] int32 cumulative group ends. Rows after offs[-1] are left unwritten.
+    config: block_m and block_t (an expert's rows in tiles of block_m + block_t rows, each
+    program running the two tiles or one; block_t 0: tiles of block_m), block_n, block_k,
+    num_warps, num_stages (default `launch_config`)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if not (tma_ready(x_MK) and tma_ready(w_ENK)):
+        raise ValueError("grouped_mm_triton reads x and w through TMA: they need unit last "
+                         "strides, row strides of a multiple of 16 bytes, 16-byte aligned data "
+                         "and w's experts one after the other")  # fmt: skip
     M, K = x_MK.shape
     E, N, _ = w_ENK.shape
     weights = "bf16" if x_MK.dtype == torch.bfloat16 else str(x_MK.dtype)
     cfg = launch_config(M, E, weights) | config
-    block_m, block_n = cfg["block_m"], cfg["block_n"]
+    block_m, block_n, block_k = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    block_t = cfg.get("block_t", 0)
     out = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
     if M == 0:
         return out
-    grid = (num_tile_slots(M, E, block_m) * triton.cdiv(N, block_n),)
-    grouped_gemm_kernel[grid](x_MK, w_ENK, out, offs_E, N, K, x_MK.stride(0), w_ENK.stride(0),
-                              w_ENK.stride(1), out.stride(0), E, BLOCK_M=block_m,
-                              BLOCK_N=block_n, BLOCK_K=cfg["block_k"], BLOCK_E=block_e(E),
-                              BLOCK_T=cfg.get("block_t", 0),
+    xa_desc = TensorDescriptor.from_tensor(x_MK, [block_m, block_k])
+    xb_desc = TensorDescriptor.from_tensor(x_MK, [block_t, block_k]) if block_t else xa_desc
+    w_desc = TensorDescriptor.from_tensor(w_ENK.view(E * N, K), [block_n, block_k])
+    grid = (num_tile_slots(M, E, block_m + block_t) * triton.cdiv(N, block_n),)
+    grouped_gemm_kernel[grid](xa_desc, xb_desc, w_desc, out, offs_E, N, K, out.stride(0), E,
+                              BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_N=block_n,
+                              BLOCK_K=block_k, BLOCK_E=block_e(E),
                               UPCAST=_INTERPRETED and x_MK.dtype != torch.float32,
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     return out

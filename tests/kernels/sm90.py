@@ -38,6 +38,10 @@ GPU_VALUES = {
 
 
 def _type(value) -> str:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if isinstance(value, TensorDescriptor):  # a host-side TMA descriptor
+        return f"tensordesc<{_DTYPES[value.base.dtype]}{list(value.block_shape)}>"
     if isinstance(value, torch.Tensor):
         return "*" + _DTYPES[value.dtype]
     if isinstance(value, bool):

@@ -108,8 +108,9 @@ def _check_combine(T, k, D, dtype, device):
 
 
 def _check_grouped_mm_triton(device, **blocks):
-    """The Triton grouped GEMM against the loop, fp32 and bf16, with empty groups, groups longer
-    than one row tile (16 or 64 rows) and unused rows at the end."""
+    """The Triton grouped GEMM against the loop, fp32 and bf16, with empty groups (of 0, 3, 67
+    and 70 rows: longer than one row tile, or with a second one of block_t rows) and unused rows
+    at the end."""
     from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton
 
     g = torch.Generator().manual_seed(4)
@@ -284,10 +285,10 @@ def _interpreted_checks():
     for name in ("T33-D32-I24-E8-k2", "T33-D32-I24-E8-k2-ep4of8"):
         _check_experts(TINY[name], torch.float32, "cpu", use_triton=True)
     _check_grouped_mm_triton("cpu", block_n=16, block_k=16)
-    _check_grouped_mm_triton("cpu", block_m=16, block_n=16, block_k=16)  # the decode tiles
+    _check_grouped_mm_triton("cpu", block_m=16, block_t=0, block_n=16, block_k=16)  # decode
     _check_many_experts("cpu")
-    # 64-row tiles with each expert's partial last tile in steps of 16 rows (groups of 67 and
-    # 70 rows: tails of 3 and 6 rows)
+    # tiles of 64 + 16 rows: the group of 3 runs the 16-row tile alone, those of 67 and 70 both
+    # (their rows 64-66 and 64-69 in the second)
     _check_grouped_mm_triton("cpu", block_m=64, block_n=16, block_k=16, block_t=16)
     # Wide tiles: the interpreter's time goes per operation, not per element. K = 48: one
     # partial K step holding a partial scale group; N = 40: a partial column block.
@@ -339,7 +340,8 @@ def test_route_and_sort_gpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_grouped_mm_triton_gpu():
     _check_grouped_mm_triton("cuda")
-    _check_grouped_mm_triton("cuda", block_m=16, block_n=64, block_k=128, num_stages=4)
+    _check_grouped_mm_triton("cuda", block_m=16, block_t=0, block_n=64, block_k=128,
+                             num_stages=4)  # fmt: skip
     _check_grouped_mm_triton("cuda", block_m=64, block_n=64, block_k=64, block_t=16)
     for shape in ("T8192-prefill", "T64-decode"):
         _check_experts(K3_SLICE[shape], torch.bfloat16, "cuda", use_triton=True,
