@@ -3,8 +3,9 @@
 format), fp32 accumulation. Hopper has no FP4 tensor cores, so each program loads a tile of
 packed bytes and their scales, turns them into the activations' dtype (exact: an E2M1 value
 times a power of two is a bf16 number) and multiplies on the bf16 tensor cores. Same contract,
-tile table and launch settings as the bf16 Triton grouped GEMM (`grouped_gemm_triton`): rows
-[offs[e-1], offs[e]) of x times expert e's weight, rows after offs[-1] left unwritten.
+program order and tuned table as the bf16 Triton grouped GEMM (`grouped_gemm_triton`), but
+with the rows as the MMA's M side in tiles of block_m rows (no block_t): rows [offs[e-1],
+offs[e]) of x times expert e's weight, rows after offs[-1] left unwritten.
 
 Byte j of a packed row holds inputs 2j and 2j+1, so a tile of BLOCK_K inputs is BLOCK_K / 2
 bytes: the program multiplies the even inputs of x by one half of the codes and the odd inputs
@@ -21,7 +22,11 @@ iteration at 16 x 128 x 256 tiles (2.7 per weight). Also: masks only when a tile
 N (`EVEN`), one multiply per value pair when the scales are small (`SMALL_SCALES`). Loading x's
 even and odd inputs apart (a layout with each tile's halves in the two nibble sets) compiled
 to more instructions (register moves into the MMA operands), and computing out^T = w x^T (the
-unpacked weights as the MMA's register operand) measured slower, so neither was kept; nor was
+unpacked weights as the MMA's register operand) measured slower, so neither was kept (at
+prefill tiles that form also gave wrong results on the GPU: Triton carried the register
+operand's layout back through the unpacking's 4-byte packed inline asm, so a thread's 4 bytes
+were no longer one word; three 64-row accumulators sharing one unpacked tile were right but
+slower, 31.8 against 26.2 ms for 7 k3-slice layers at 8,192 tokens); nor was
 split-K at one token (K in parts, partial sums added by the activation and combine kernels:
 0.168 ms against 0.167 for 7 layers; each GEMM there is ~12 us of mostly fixed latency).
 Nor were activations stored pre-split into each tile's even and odd inputs (no byte permutes:

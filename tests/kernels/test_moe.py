@@ -384,6 +384,24 @@ def test_decode_tiles_up_to_eight_slots_per_expert():
     assert launch_config(16384, E)["block_m"] == DEFAULT_CONFIGS["prefill"]["block_m"]
 
 
+def test_grouped_mm_triton_names_operands_tma_cannot_read():
+    """The Triton grouped GEMM reads x and w through TMA descriptors: rows of 40 bytes (not a
+    multiple of 16) or experts that are not one after the other get a clear error, not a wrong
+    product; `tma_ready` says which tensors qualify (the routed experts pick torch's grouped
+    GEMM for the others)."""
+    from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton, tma_ready
+
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    x, w = torch.randn(8, 20, dtype=torch.bfloat16), torch.randn(2, 16, 20, dtype=torch.bfloat16)
+    assert not tma_ready(x) and not tma_ready(w)
+    with pytest.raises(ValueError, match="TMA"):
+        grouped_mm_triton(x, w, offs)
+    every_other = torch.randn(4, 16, 24, dtype=torch.bfloat16)[::2]
+    wide = torch.randn(8, 24, dtype=torch.bfloat16)
+    assert tma_ready(wide[:, :8]) and tma_ready(every_other[0]) and not tma_ready(every_other)
+    assert tma_ready(torch.randn(2, 16, 32)[..., :24])  # padded rows: 128-byte stride
+
+
 def test_tile_slots_bound_every_grouping():
     """The grid's bound on row tiles (`num_tile_slots`, host integers) holds for any grouping,
     with equality when every row has its own expert: the programs past it would be the ones
