@@ -144,20 +144,22 @@ def _expert_dtype(model) -> str:
 def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, new_tokens: int,
                       chunk_size: int, seed: int = 0, profile: bool = False,
                       cuda_graphs: bool = True, expert_dtype: str | None = None,
-                      model_dir: str | None = None) -> dict:  # fmt: skip
+                      model_dir: str | None = None, moe_gemm: str = "auto") -> dict:  # fmt: skip
     """Single-device engine speed on random weights made on the device, or on the checkpoint at
     `model_dir` (its own flavor; experts as stored unless expert_dtype says otherwise):
     prefill tokens/s over `batch` prompts (median of PREFILL_REPEATS), then decode tokens/s with all of them running, and
     the decode step beside its roofline (bytes it must read over the H200's copy bandwidth).
     With `profile`, one more prefill and then its first PROFILED_DECODE_STEPS decode steps
     run under the torch profiler, and the row gets "profile" and "decode_profile": the top
-    ops by self GPU time (CPU time without CUDA)."""
+    ops by self GPU time (CPU time without CUDA). moe_gemm: the bf16 routed experts' grouped
+    GEMM ("auto", "torch" or "triton": `k3kernels.moe.experts.fused_experts`)."""
     from k3batch.engine.config import EngineConfig
     from k3batch.engine.engine import Engine
     from k3batch.engine.request import Phase, SamplingParams
     from k3batch.model import K3Model, get_flavor
     from k3batch.model.loader import load_model
     from k3batch.model.init import init_random_
+    from k3batch.model.moe import Experts
 
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -170,6 +172,9 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
                         expert_dtype=expert_dtype or "bf16")  # fmt: skip
         init_random_(model, seed).eval().set_backend("fla" if cuda else "torch")
     build_s = time.perf_counter() - t0
+    for m in model.modules():
+        if isinstance(m, Experts):
+            m.gemm_impl = moe_gemm
     cfg = EngineConfig(max_num_seqs=batch, max_seq_len=prompt_len + new_tokens + 1,
                        chunk_size=chunk_size, max_batch_tokens=max(chunk_size, 8192),
                        cuda_graphs=cuda_graphs)  # fmt: skip
@@ -234,7 +239,7 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
         "decode_roofline_x": round(1000 * t_decode / max(steps, 1) / floor.floor_ms(), 2),
         "decode_bytes": {k: getattr(floor, k) for k in ("dense", "experts", "kda", "mla")},
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
-        "model": model_dir, "expert_dtype": _expert_dtype(model),
+        "model": model_dir, "expert_dtype": _expert_dtype(model), "moe_gemm": moe_gemm,
         "weights_gib": round(sum(p.nbytes for p in model.parameters()) / 2**30, 1),
         "routed_expert_gib": round(sum(p.nbytes for n, p in model.named_parameters()
                                        if ".block_sparse_moe.experts." in n) / 2**30, 2),

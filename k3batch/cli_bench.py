@@ -67,9 +67,12 @@ def _append_jsonl(path: str | None, rows: list[dict]) -> None:
               "weights, as stored with --model.")  # fmt: skip
 @click.option("--model", "model_dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="A checkpoint instead of random weights (--flavor is then ignored).")
+@click.option("--moe-gemm", type=click.Choice(["auto", "torch", "triton"]), default="auto",
+              show_default=True,
+              help="Grouped GEMM of bf16 routed experts (auto: Triton on Hopper, else torch).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, profile, cuda_graphs,
-                 expert_dtype, model_dir, json_path):  # fmt: skip
+                 expert_dtype, model_dir, moe_gemm, json_path):  # fmt: skip
     """Single-device engine throughput, prefill MFU and peak memory on random weights or a
     checkpoint."""
     from k3batch.actors.build import default_device
@@ -86,6 +89,7 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, prof
         cuda_graphs=cuda_graphs,
         expert_dtype=expert_dtype,
         model_dir=model_dir,
+        moe_gemm=moe_gemm,
     )
     if profile:
         from k3batch.bench import PROFILED_DECODE_STEPS

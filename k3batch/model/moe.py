@@ -72,6 +72,7 @@ class Experts(nn.Module):
             config.situ_linear_beta,
         )
         self.first_expert = 0
+        self.gemm_impl = "auto"  # bf16 grouped GEMMs: "auto", "torch" or "triton" (`fused_experts`)
         self.packed = expert_dtype == "mxfp4"
         self.small_scales = False  # `note_packed_scales_` sets it once the weights are in
         if not self.packed:
@@ -108,7 +109,7 @@ class Experts(nn.Module):
         w13, w2 = self.weights()
         return fused_experts(
             x_TD, w13, w2, ids_Tk, weights_Tk, act=self.act, beta=self.beta,
-            linear_beta=self.linear_beta, first_expert=self.first_expert,
+            linear_beta=self.linear_beta, first_expert=self.first_expert, gemm_impl=self.gemm_impl,
         )  # fmt: skip
 
 
