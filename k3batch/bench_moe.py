@@ -189,8 +189,13 @@ def sweep_configs(decode: bool, bf16: bool = False) -> list[dict]:
         # 64 tokens, 8630319)
         grid = itertools.product((16,), (32, 64, 128, 256), (64, 128, 256), (2, 4), (2, 3, 4))
         return [dict(zip(keys, values)) for values in grid]
-    if not bf16:
-        grid = itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
+    if not bf16:  # W4A16; 256-row tiles unpack an expert's weight tile once where 128-row
+        # ones (two per ~146-row expert) unpack it twice, for the same MMA rows (sm_90 SASS,
+        # triton 3.6: 256 x 64 x 128 at 8 warps 236 registers, no spills; 128 x 128 x 128 at 4
+        # warps, the tuned tile, spills)
+        grid = itertools.chain(
+            itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4)),
+            itertools.product((256,), (64, 128), (64, 128), (8,), (2, 3, 4)))
         return [dict(zip(keys, values)) for values in grid]
     grid = itertools.product((128,), (0, 16, 32, 64), (128, 256), (64,), (4, 8), (3, 4))
     configs = [dict(zip((*keys[:1], "block_t", *keys[1:]), values)) for values in grid]
