@@ -75,9 +75,11 @@ def _pick_gemm(w13, w2, ids_Tk, cuda: bool, gemm_impl: str):
         from k3kernels.moe.grouped_gemm_triton import regime, tma_ready
 
         decode = regime(ids_Tk.numel(), w13.shape[0]) == "decode"
-        tma = cuda and torch.cuda.get_device_capability(w13.device) >= (9, 0)
-        tma = tma and tma_ready(w13) and tma_ready(w2)
-        gemm_impl = "triton" if tma and (decode or w13.dtype == torch.bfloat16) else "torch"
+        hopper = cuda and torch.cuda.get_device_capability(w13.device) >= (9, 0)
+        # TMA reads the weights and the rows of x (D or I wide, contiguous)
+        tma = all(tma_ready(w) and w.shape[-1] * w.element_size() % 16 == 0 for w in (w13, w2))
+        fast = hopper and tma and (decode or w13.dtype == torch.bfloat16)
+        gemm_impl = "triton" if fast else "torch"
     if gemm_impl == "triton":
         from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton
 
