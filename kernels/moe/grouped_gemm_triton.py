@@ -4,14 +4,14 @@ prefill and decode; `torch._grouped_mm` elsewhere, see grouped_gemm.py). Same co
 
 Each program computes out[rows, cols]^T = w[e][cols] @ x[rows]^T: the weight tile is the MMA's
 M side (block_n output columns) and the expert's rows are its N side, where wgmma takes any
-multiple of 8 (as M it takes 64 per warpgroup; row tiles under 64 ran on mma.sync before). So an expert's rows are covered by a tile of block_m rows and a
-second one of block_t rows, and a program runs only what its rows need (both, the first, or the
-second alone). At k3-slice prefill (~146 rows per expert, 118-173 in the benchmark's draw) 128
-+ 32 rows compute 160 per expert, 91% of them useful, where row tiles of 128 (torch's CUTLASS
-kernel, and this kernel before, with the rows as M) compute 256, 57% useful. x and w are read
-through TMA descriptors (host-side, `triton.tools.tensor_descriptor`; Hopper and later):
-rows past an expert's end are read (the next expert's, or zeros past the tensor) and not
-stored.
+multiple of 8 (as M it takes 64 per warpgroup; row tiles under 64 ran on mma.sync before). So
+an expert's rows are covered by a tile of block_m rows and a second one of block_t rows, and a
+program runs only what its rows need (both, the first, or the second alone). At k3-slice
+prefill (~146 rows per expert, 118-173 in the benchmark's draw) 128 + 32 rows compute 160 per
+expert, 91% of them useful, where row tiles of 128 (torch's CUTLASS kernel, and this kernel
+before, with the rows as M) compute 256, 57% useful. x and w are read through TMA descriptors
+(host-side, `triton.tools.tensor_descriptor`; Hopper and later): rows past an expert's end are
+read (the next expert's, or zeros past the tensor) and not stored.
 
 Tiles are laid out per expert: expert e owns cdiv(count_e, block_m + block_t) of them,
 numbered after those of the experts before it. Each program finds its tile's expert and first
@@ -26,11 +26,12 @@ prefill on one H200).
 One H200, k3-slice prefill, the two GEMMs of 7 layers x 8,192 tokens (`k3batch bench moe
 --sweep`, rows in `benchmarks/moe_k3slice_h200.jsonl`): 128 + 32 rows x 128 columns x 64
 inputs, 8 warps, 3 stages: 15.7-16.6 ms (59-62% of the bf16 peak; 4 warps 16.5-16.9) against
-19.6-20.3 ms for `torch._grouped_mm` in the same runs; 128 + 64 rows 16.9, 128 + 0 20.5-20.8.
+19.6-20.8 ms for `torch._grouped_mm` in the same runs; 128 + 64 rows 16.9, 128 + 0 20.5-20.8.
 Before, with the rows as M: 22.5 ms with pointer loads (128-row tiles, each expert's last one
 in steps of 64 rows), 20.7 with TMA. The swapped kernel with pointer loads took 19.6 ms. At
 decode (64 tokens, ~1 row per expert; block_m 16, block_t 0) it reads the experts' weights at
-4.2-4.5 TB/s (a read-only stream; the copy bandwidth is 4.26), as the kernel before did.
+4.3-4.6 TB/s (7.4-8.0 ms; a read-only stream; the copy bandwidth is 4.26), as the kernel
+before did (7.47 ms in the same run as a 7.44).
 Runs under TRITON_INTERPRET=1 on CPU.
 Shape legend: M sorted rows, K input width, N output width, E experts.
 """
