@@ -152,7 +152,10 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
     With `profile`, one more prefill and then its first PROFILED_DECODE_STEPS decode steps
     run under the torch profiler, and the row gets "profile" and "decode_profile": the top
     ops by self GPU time (CPU time without CUDA). moe_gemm: the bf16 routed experts' grouped
-    GEMM ("auto", "torch" or "triton": `k3kernels.moe.experts.fused_experts`)."""
+    GEMM ("auto", "torch" or "triton": `k3kernels.moe.experts.fused_experts`), or several,
+    comma-separated: the prefills then alternate between them in this one process (the first
+    one's order reversed every other round), each the median of its PREFILL_REPEATS, as
+    "prefill_by_moe_gemm" {name: [tokens/s, MFU %]}; the decode runs the first."""
     from k3batch.engine.config import EngineConfig
     from k3batch.engine.engine import Engine
     from k3batch.engine.request import Phase, SamplingParams
@@ -172,9 +175,14 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
                         expert_dtype=expert_dtype or "bf16")  # fmt: skip
         init_random_(model, seed).eval().set_backend("fla" if cuda else "torch")
     build_s = time.perf_counter() - t0
-    for m in model.modules():
-        if isinstance(m, Experts):
-            m.gemm_impl = moe_gemm
+    gemms = moe_gemm.split(",")
+
+    def use_gemm(impl):
+        for m in model.modules():
+            if isinstance(m, Experts):
+                m.gemm_impl = impl
+
+    use_gemm(gemms[0])
     cfg = EngineConfig(max_num_seqs=batch, max_seq_len=prompt_len + new_tokens + 1,
                        chunk_size=chunk_size, max_batch_tokens=max(chunk_size, 8192),
                        cuda_graphs=cuda_graphs)  # fmt: skip
@@ -214,16 +222,29 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
         return time.perf_counter() - t, steps
 
     prefill(), decode()  # warm-up: kernel compilation and autotuning
+    for impl in gemms[1:]:
+        use_gemm(impl)
+        prefill(first_only)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    # the median of PREFILL_REPEATS prefills (one run varied by up to 20% on an H200); the
-    # requests of the last one go on to the timed decode
-    times = [prefill(first_only) for _ in range(PREFILL_REPEATS - 1)] + [prefill()]
-    t_prefill = statistics.median(times)
+    # the median of PREFILL_REPEATS prefills (one run varied by up to 20% on an H200); then
+    # one more prefill, whose requests go on to the timed decode
+    times = {impl: [] for impl in gemms}
+    for i in range(PREFILL_REPEATS):
+        for impl in gemms if i % 2 == 0 else gemms[::-1]:
+            use_gemm(impl)
+            times[impl].append(prefill(first_only))
+    use_gemm(gemms[0])
+    prefill()
     t_decode, steps = decode()
     floor = _decode_floor(engine, model, prefill, decode, batch * [prompt_len + new_tokens // 2])
-    prefill_tps = batch * prompt_len / t_prefill
     flops_per_token = 2 * active_params(model.config)
+
+    def mfu(tps):
+        return round(100 * tps * flops_per_token / 1e12 / PEAK_BF16_TFLOPS, 1)
+
+    tps = {impl: batch * prompt_len / statistics.median(t) for impl, t in times.items()}
+    prefill_tps = tps[gemms[0]]
     row = {
         "flavor": flavor if model_dir is None else None, "device": device, "batch": batch,
         "prompt_len": prompt_len,
@@ -232,7 +253,7 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
         "capture_s": round(capture_s, 1),
         "prefill_tokens_per_s": round(prefill_tps, 1),
         "prefill_tflops": round(prefill_tps * flops_per_token / 1e12, 1),
-        "prefill_mfu_pct": round(100 * prefill_tps * flops_per_token / 1e12 / PEAK_BF16_TFLOPS, 1),
+        "prefill_mfu_pct": mfu(prefill_tps),
         "decode_tokens_per_s": round(batch * (new_tokens - 1) / t_decode, 1),
         "decode_step_ms": round(1000 * t_decode / max(steps, 1), 2),
         "decode_floor_ms": round(floor.floor_ms(), 3),
@@ -246,6 +267,8 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
         "arena_gib": round(engine.runner.cache.total_bytes / 2**30, 1),
         "workspace_gib": round((engine.runner.workspace_bytes or 0) / 2**30, 2),
     }  # fmt: skip
+    if len(gemms) > 1:
+        row["prefill_by_moe_gemm"] = {impl: [round(t, 1), mfu(t)] for impl, t in tps.items()}
     if profile:
         row["profile"] = _profile(prefill, cuda)
         row["decode_profile"] = _profile(lambda: decode(PROFILED_DECODE_STEPS)[0], cuda)

@@ -24,6 +24,13 @@ bound by the host's launches (7 layers at 1 token, MXFP4: ~4 ms eager for 0.25 m
 At decode shapes (few tokens) the column that matters is TB/s: the bytes of the experts the
 routes touch (each read once) over the time, against the copy bandwidth (4.26 TB/s on the
 H200).
+"% of roofline" puts each time beside the least the GPU needs (`roofline_ms`): the FLOPs at
+the bf16 peak or the expert bytes at the copy bandwidth, whichever takes longer. At k3-slice
+prefill the bytes do: ~146 rows per expert (8,192 x 2 / 112) do 2 x 146 FLOPs per 2-byte
+weight, 146 FLOP per byte, under the H200's ridge of 777 / 4.26 = 182. The 7 layers' 51.8 GB
+of bf16 experts take 12.2 ms at the copy bandwidth, their 7.58 TFLOP 9.8 ms at the peak: 60%
+of the bf16 peak (16.2 ms) is 75% of that roofline, for the GEMMs and for everything around
+them, whose own traffic (gather, activation, combine: ~1.1 GB a layer) the roofline leaves out.
 """
 
 import itertools
@@ -154,12 +161,19 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
             rows.append({"impl": impl, "error": f"{type(e).__name__}: {e}"[:300]})
             continue
         tflops = flops / ms / 1e9
+        bytes_read = packed_bytes if "mxfp4" in impl else weight_bytes
         rows.append({"impl": impl, "flavor": flavor, "layers": num_layers, "tokens": num_tokens,
                      "ms": round(ms, 3), "tflops": round(tflops, 1),
-                     "weight_tbps": round((packed_bytes if "mxfp4" in impl else weight_bytes)
-                                          / ms / 1e9, 2),
-                     "pct_peak": round(100 * tflops / PEAK_BF16_TFLOPS, 1)})  # fmt: skip
+                     "weight_tbps": round(bytes_read / ms / 1e9, 2),
+                     "pct_peak": round(100 * tflops / PEAK_BF16_TFLOPS, 1),
+                     "pct_roofline": round(100 * roofline_ms(flops, bytes_read) / ms, 1)})  # fmt: skip
     return rows
+
+
+def roofline_ms(flops: float, weight_bytes: float) -> float:
+    """The time the GPU needs at the least: the FLOPs at the bf16 GEMM peak or the experts'
+    bytes (each read once) at the copy bandwidth, whichever is longer."""
+    return max(flops / PEAK_BF16_TFLOPS / 1e9, weight_bytes / COPY_TBPS / 1e9)
 
 
 def save_best(rows: list[dict], expert_dtype: str, num_slots: int, num_experts: int) -> dict:
@@ -189,13 +203,11 @@ def sweep_configs(decode: bool, bf16: bool = False) -> list[dict]:
         # 64 tokens, 8630319)
         grid = itertools.product((16,), (32, 64, 128, 256), (64, 128, 256), (2, 4), (2, 3, 4))
         return [dict(zip(keys, values)) for values in grid]
-    if not bf16:  # W4A16; 256-row tiles unpack an expert's weight tile once where 128-row
-        # ones (two per ~146-row expert) unpack it twice, for the same MMA rows (sm_90 SASS,
-        # triton 3.6: 256 x 64 x 128 at 8 warps 236 registers, no spills; 128 x 128 x 128 at 4
-        # warps, the tuned tile, spills)
-        grid = itertools.chain(
-            itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4)),
-            itertools.product((256,), (64, 128), (64, 128), (8,), (2, 3, 4)))
+    if not bf16:  # W4A16. 256-row tiles, which unpack an expert's weight tile once where
+        # 128-row ones (two per ~146-row expert) unpack it twice, took 32.0-59.6 ms at 8,192
+        # tokens (256 x {64, 128} x {64, 128}, 8 warps, 2-4 stages) against 26.1 for the
+        # tuned 128 x 128 x 128 (one H200, 2026-12-02), so they are not swept
+        grid = itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
         return [dict(zip(keys, values)) for values in grid]
     grid = itertools.product((128,), (0, 16, 32, 64), (128, 256), (64,), (4, 8), (3, 4))
     configs = [dict(zip((*keys[:1], "block_t", *keys[1:]), values)) for values in grid]
@@ -234,7 +246,8 @@ def format_moe_table(rows: list[dict]) -> str:
     lines = [
         f"routed experts, {r0['flavor']}: {r0['layers']} layers x {r0['tokens']} tokens, bf16; "
         f"peak {PEAK_BF16_TFLOPS:.0f} TFLOP/s",
-        "impl              |      ms | TFLOP/s | % of peak | expert TB/s | % of copy",
+        "impl              |      ms | TFLOP/s | % of peak | expert TB/s | % of copy | "
+        "% of roofline",
     ]
     for r in rows:
         if "error" in r:
@@ -242,6 +255,7 @@ def format_moe_table(rows: list[dict]) -> str:
             continue
         lines.append(
             f"{r['impl']:17s} | {r['ms']:7.2f} | {r['tflops']:7.1f} | {r['pct_peak']:8.1f}% | "
-            f"{r['weight_tbps']:11.2f} | {100 * r['weight_tbps'] / COPY_TBPS:8.1f}%"
+            f"{r['weight_tbps']:11.2f} | {100 * r['weight_tbps'] / COPY_TBPS:8.1f}% | "
+            f"{r['pct_roofline']:12.1f}%"
         )
     return "\n".join(lines)

@@ -53,6 +53,13 @@ def _append_jsonl(path: str | None, rows: list[dict]) -> None:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
+def _moe_gemms(ctx, param, value: str) -> str:
+    bad = [v for v in value.split(",") if v not in ("auto", "torch", "triton")]
+    if bad:
+        raise click.BadParameter(f"{bad[0]!r} is not one of auto, torch, triton")
+    return value
+
+
 @bench.command("engine")
 @click.option("--flavor", default="k3-debug", show_default=True)
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
@@ -67,9 +74,10 @@ def _append_jsonl(path: str | None, rows: list[dict]) -> None:
               "weights, as stored with --model.")  # fmt: skip
 @click.option("--model", "model_dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="A checkpoint instead of random weights (--flavor is then ignored).")
-@click.option("--moe-gemm", type=click.Choice(["auto", "torch", "triton"]), default="auto",
-              show_default=True,
-              help="Grouped GEMM of bf16 routed experts (auto: Triton on Hopper, else torch).")
+@click.option("--moe-gemm", default="auto", show_default=True, callback=_moe_gemms,
+              help="Grouped GEMM of bf16 routed experts: auto (Triton on Hopper, else torch), "
+              "torch or triton; several, comma-separated (torch,triton): prefill alternates "
+              "between them in one process, a median each.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, profile, cuda_graphs,
                  expert_dtype, model_dir, moe_gemm, json_path):  # fmt: skip

@@ -48,3 +48,21 @@ def test_route_counter_counts_distinct_experts(model_factory):
     for layer, routes in batch.routes_out.items():
         assert rc.selected[layer] == len(set(routes.flatten().tolist()))
     assert not model.model.layers["1"].block_sparse_moe.gate._forward_hooks  # removed
+
+
+def test_moe_roofline_is_bytes_at_k3_slice_prefill():
+    """`bench moe`'s floor at k3-slice prefill (7 layers, 8,192 tokens, every expert touched):
+    the 51.8 GB of bf16 experts at the copy bandwidth (12.2 ms) outlast the 7.58 TFLOP at the
+    bf16 peak (9.8 ms), so 60% of that peak is 75% of the roofline; at 64 tokens the bytes
+    alone count."""
+    from k3batch.bench_moe import PEAK_BF16_TFLOPS, roofline_ms
+
+    cfg = get_flavor("k3-slice")
+    D, I, E = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    layers, k = 7, cfg.num_experts_per_token
+    flops, weights = layers * 2 * 8192 * k * 3 * D * I, layers * E * 3 * D * I * 2
+    floor = roofline_ms(flops, weights)
+    assert round(weights / 1e9, 1) == 51.8 and round(floor, 1) == 12.2
+    assert round(flops / PEAK_BF16_TFLOPS / 1e9, 1) == 9.8
+    assert round(floor / (flops / (0.6 * PEAK_BF16_TFLOPS) / 1e9), 2) == 0.75
+    assert roofline_ms(flops / 128, weights) == floor
