@@ -147,8 +147,9 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
                       model_dir: str | None = None, moe_gemm: str = "auto") -> dict:  # fmt: skip
     """Single-device engine speed on random weights made on the device, or on the checkpoint at
     `model_dir` (its own flavor; experts as stored unless expert_dtype says otherwise):
-    prefill tokens/s over `batch` prompts (median of PREFILL_REPEATS), then decode tokens/s with all of them running, and
-    the decode step beside its roofline (bytes it must read over the H200's copy bandwidth).
+    prefill tokens/s over `batch` prompts (median of PREFILL_REPEATS), then decode tokens/s
+    with all of them running, and the decode step beside its roofline (bytes it must read over
+    the H200's copy bandwidth).
     With `profile`, one more prefill and then its first PROFILED_DECODE_STEPS decode steps
     run under the torch profiler, and the row gets "profile" and "decode_profile": the top
     ops by self GPU time (CPU time without CUDA). moe_gemm: the bf16 routed experts' grouped

@@ -166,7 +166,8 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
                      "ms": round(ms, 3), "tflops": round(tflops, 1),
                      "weight_tbps": round(bytes_read / ms / 1e9, 2),
                      "pct_peak": round(100 * tflops / PEAK_BF16_TFLOPS, 1),
-                     "pct_roofline": round(100 * roofline_ms(flops, bytes_read) / ms, 1)})  # fmt: skip
+                     "pct_roofline": round(100 * roofline_ms(flops, bytes_read) / ms, 1),
+                     })  # fmt: skip
     return rows
 
 

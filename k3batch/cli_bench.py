@@ -221,8 +221,9 @@ def bench_comm(flavor, gpus, p2p_gbps, busbw_gbps):
     vol = comm_bytes_per_1k(config, gpus)
     ms = projected_comm_ms_per_1k(config, gpus, p2p_gbps=p2p_gbps, busbw_gbps=busbw_gbps)
     click.echo(f"{flavor}, {gpus} devices, bf16 activations, per 1K prompt tokens:")
-    click.echo(f"  tp{gpus}: {vol['tp'] / 1e6:,.1f} MB per rank ({vol['tp_all_reduces']} all-reduces)"
-               f" -> {ms['tp']:.2f} ms at {busbw_gbps:g} GB/s bus bandwidth")  # fmt: skip
+    click.echo(f"  tp{gpus}: {vol['tp'] / 1e6:,.1f} MB per rank ({vol['tp_all_reduces']} "
+               f"all-reduces) -> {ms['tp']:.2f} ms at {busbw_gbps:g} GB/s bus "
+               "bandwidth")  # fmt: skip
     click.echo(f"  pp{gpus}: {vol['pp'] / 1e6:,.1f} MB at the widest stage boundary"
                f" -> {ms['pp']:.2f} ms at {p2p_gbps:g} GB/s point to point")  # fmt: skip
 
