@@ -177,12 +177,16 @@ def launch_config(num_rows: int, num_experts: int, weights: str = "bf16") -> dic
     weights streamed once, memory bound) takes 16-row tiles and long K steps; prefill larger
     tiles. The current GPU's tuned table (`k3batch bench moe --sweep` measures one) overrides
     the defaults; weights: "bf16" or "mxfp4" (the tuned formats), or any other name for the
-    defaults (fp32 inputs: a bf16 table's tiles can exceed shared memory at twice the bytes)."""
+    defaults (fp32 inputs: a bf16 table's tiles can exceed shared memory at twice the bytes).
+    The defaults' block_t is this kernel's: the W4A16 kernel takes one from its table only."""
     kind = regime(num_rows, num_experts)
     tuned = {}
     if not _INTERPRETED and torch.cuda.is_available():
         tuned = tuned_configs(torch.cuda.get_device_name()).get(weights, {}).get(kind, {})
-    return DEFAULT_CONFIGS[kind] | tuned
+    defaults = dict(DEFAULT_CONFIGS[kind])
+    if weights == "mxfp4":
+        defaults.pop("block_t", None)
+    return defaults | tuned
 
 
 def block_e(num_experts: int) -> int:

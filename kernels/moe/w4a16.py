@@ -4,8 +4,17 @@ format), fp32 accumulation. Hopper has no FP4 tensor cores, so each program load
 packed bytes and their scales, turns them into the activations' dtype (exact: an E2M1 value
 times a power of two is a bf16 number) and multiplies on the bf16 tensor cores. Same contract,
 program order and tuned table as the bf16 Triton grouped GEMM (`grouped_gemm_triton`), but
-with the rows as the MMA's M side in tiles of block_m rows (no block_t): rows [offs[e-1],
-offs[e]) of x times expert e's weight, rows after offs[-1] left unwritten.
+with the rows as the MMA's M side in tiles of block_m rows: rows [offs[e-1], offs[e]) of x
+times expert e's weight, rows after offs[-1] left unwritten. With block_t, an expert's last
+tile, when it has at most block_t rows, is computed as a tile of block_t rows (its own
+program, which unpacks the weights again).
+
+At prefill this kernel is bound by its MMAs, the unpacking hidden beside them: in the sm_90
+SASS of the tuned 128 x 128 x 128 tile (4 warps) a 128-input step issues 514 instructions per
+warp against 1,024 cycles of MMA work, and on one H200 (7 k3-slice layers x 8,192 tokens) it
+took 26.1 ms where the bf16 kernel, at 160 computed rows per ~146-row expert against this
+one's 2 x 128, took 16.13 ms: 16.13 x 256 / 160 = 25.8 ms. Hence block_t: 128 + 64 rows per
+such expert (not yet timed on a GPU).
 
 Byte j of a packed row holds inputs 2j and 2j+1, so a tile of BLOCK_K inputs is BLOCK_K / 2
 bytes: the program multiplies the even inputs of x by one half of the codes and the odd inputs
@@ -158,65 +167,87 @@ def _per_byte(s, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
 @triton.jit
 def w4a16_grouped_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, stride_x, stride_qe,
                          stride_qn, stride_se, stride_sn, stride_out, E, GROUP: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCK_E: tl.constexpr, UPCAST: tl.constexpr, PTX: tl.constexpr,
-                         EVEN: tl.constexpr, SMALL_SCALES: tl.constexpr):  # fmt: skip
+                         BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, UPCAST: tl.constexpr,
+                         PTX: tl.constexpr, EVEN: tl.constexpr,
+                         SMALL_SCALES: tl.constexpr):  # fmt: skip
     expert, first, n_block = program_tile(offs_ptr, E, N, BLOCK_M, BLOCK_N, BLOCK_E)
     if expert < E:
-        rows, cols, row_ok, col_ok = tile_rows_cols(first, offs_ptr, expert, n_block, N,
-                                                    BLOCK_M, BLOCK_N)  # fmt: skip
-        jj = tl.arange(0, BLOCK_K // 2)  # byte within the tile: inputs 2 jj and 2 jj + 1
-        kk = tl.arange(0, BLOCK_K)
-        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
-        q_cols = q_ptr + expert.to(tl.int64) * stride_qe + cols.to(tl.int64) * stride_qn
-        s_cols = s_ptr + expert.to(tl.int64) * stride_se + cols.to(tl.int64) * stride_sn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if PTX:  # bf16 activations on the GPU
-                # Weight tiles [BLOCK_K / 2, BLOCK_N], indices written so that the compiler
-                # sees contiguous runs (vector loads): bytes k0/2 + jj, inputs k0 + kk.
-                q_ptrs = q_cols[None, :] + (k0 // 2 + jj)[:, None]
-                if EVEN:
-                    q = tl.load(q_ptrs)
-                else:
-                    q = tl.load(q_ptrs, mask=(k0 // 2 + jj < K // 2)[:, None] & col_ok[None, :],
-                                other=0)  # fmt: skip
-                # one scale row per group, as bf16 pairs (s + 126) << 7 in both halves: 2^(s - 1)
-                # (the unpacking's 2^-126 folded in), spread over the group's bytes
-                gg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-                s_ptrs = s_cols[None, :] + gg[:, None]
-                g_ok = (gg < tl.cdiv(K, GROUP))[:, None] & col_ok[None, :]
-                if EVEN:
-                    s = tl.load(s_ptrs).to(tl.int32)
-                else:
-                    s = tl.load(s_ptrs, mask=g_ok, other=127).to(tl.int32)
-                if SMALL_SCALES:
-                    pair = s * 0x00800080 + 0x3F003F00
-                else:  # 2^126 there, then 2^(s - 127) (s = 0: a subnormal) as a second product
-                    s_exact = tl.where(s > 0, s << 7, 64).to(tl.int16).to(tl.bfloat16,
-                                                                          bitcast=True)
-                    pair = tl.full(s.shape, 0x7E807E80, tl.int32)
-                w_even, w_odd = _e2m1_words_bf16(q, _per_byte(pair, GROUP, BLOCK_N, BLOCK_K))
-                if not SMALL_SCALES:
-                    s_exact = _per_byte(s_exact, GROUP, BLOCK_N, BLOCK_K)
-                    w_even, w_odd = w_even * s_exact, w_odd * s_exact
-            else:
-                w_even, w_odd = _words_fp32(q_cols, k0, col_ok, s_cols, K, GROUP, BLOCK_K,
-                                            BLOCK_N)  # fmt: skip
+        rows = tl.load(offs_ptr + expert) - first
+        if BLOCK_T > 0 and rows <= BLOCK_T:  # an expert's last tile, of few rows
+            _w4a16_tile(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, stride_x, stride_qe,
+                        stride_qn, stride_se, stride_sn, stride_out, expert, first, n_block,
+                        GROUP, BLOCK_T, BLOCK_N, BLOCK_K, UPCAST, PTX, EVEN,
+                        SMALL_SCALES)  # fmt: skip
+        else:
+            _w4a16_tile(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, stride_x, stride_qe,
+                        stride_qn, stride_se, stride_sn, stride_out, expert, first, n_block,
+                        GROUP, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PTX, EVEN,
+                        SMALL_SCALES)  # fmt: skip
+
+
+@triton.jit
+def _w4a16_tile(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, stride_x, stride_qe, stride_qn,
+                stride_se, stride_sn, stride_out, expert, first, n_block, GROUP: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                UPCAST: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr,
+                SMALL_SCALES: tl.constexpr):  # fmt: skip
+    """out[rows, cols] of the program's tile: BLOCK_M rows from first (those below the
+    expert's end) times BLOCK_N columns of its weights."""
+    rows, cols, row_ok, col_ok = tile_rows_cols(first, offs_ptr, expert, n_block, N, BLOCK_M,
+                                                BLOCK_N)  # fmt: skip
+    jj = tl.arange(0, BLOCK_K // 2)  # byte within the tile: inputs 2 jj and 2 jj + 1
+    kk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    q_cols = q_ptr + expert.to(tl.int64) * stride_qe + cols.to(tl.int64) * stride_qn
+    s_cols = s_ptr + expert.to(tl.int64) * stride_se + cols.to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if PTX:  # bf16 activations on the GPU
+            # Weight tiles [BLOCK_K / 2, BLOCK_N], indices written so that the compiler
+            # sees contiguous runs (vector loads): bytes k0/2 + jj, inputs k0 + kk.
+            q_ptrs = q_cols[None, :] + (k0 // 2 + jj)[:, None]
             if EVEN:
-                xmask = row_ok[:, None]
+                q = tl.load(q_ptrs)
             else:
-                xmask = row_ok[:, None] & (k0 + kk < K)[None, :]
-            x = tl.load(x_rows + (k0 + kk)[None, :], mask=xmask, other=0.0)  # [BLOCK_M, BLOCK_K]
-            x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
-            if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
-                x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
+                q = tl.load(q_ptrs, mask=(k0 // 2 + jj < K // 2)[:, None] & col_ok[None, :],
+                            other=0)  # fmt: skip
+            # one scale row per group, as bf16 pairs (s + 126) << 7 in both halves: 2^(s - 1)
+            # (the unpacking's 2^-126 folded in), spread over the group's bytes
+            gg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            s_ptrs = s_cols[None, :] + gg[:, None]
+            g_ok = (gg < tl.cdiv(K, GROUP))[:, None] & col_ok[None, :]
+            if EVEN:
+                s = tl.load(s_ptrs).to(tl.int32)
             else:
-                w_even, w_odd = w_even.to(x_even.dtype), w_odd.to(x_odd.dtype)
-            acc = tl.dot(x_even, w_even, acc)
-            acc = tl.dot(x_odd, w_odd, acc)
-        o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+                s = tl.load(s_ptrs, mask=g_ok, other=127).to(tl.int32)
+            if SMALL_SCALES:
+                pair = s * 0x00800080 + 0x3F003F00
+            else:  # 2^126 there, then 2^(s - 127) (s = 0: a subnormal) as a second product
+                s_exact = tl.where(s > 0, s << 7, 64).to(tl.int16).to(tl.bfloat16,
+                                                                      bitcast=True)
+                pair = tl.full(s.shape, 0x7E807E80, tl.int32)
+            w_even, w_odd = _e2m1_words_bf16(q, _per_byte(pair, GROUP, BLOCK_N, BLOCK_K))
+            if not SMALL_SCALES:
+                s_exact = _per_byte(s_exact, GROUP, BLOCK_N, BLOCK_K)
+                w_even, w_odd = w_even * s_exact, w_odd * s_exact
+        else:
+            w_even, w_odd = _words_fp32(q_cols, k0, col_ok, s_cols, K, GROUP, BLOCK_K,
+                                        BLOCK_N)  # fmt: skip
+        if EVEN:
+            xmask = row_ok[:, None]
+        else:
+            xmask = row_ok[:, None] & (k0 + kk < K)[None, :]
+        x = tl.load(x_rows + (k0 + kk)[None, :], mask=xmask, other=0.0)  # [BLOCK_M, BLOCK_K]
+        x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
+        if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
+            x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
+        else:
+            w_even, w_odd = w_even.to(x_even.dtype), w_odd.to(x_odd.dtype)
+        acc = tl.dot(x_even, w_even, acc)
+        acc = tl.dot(x_odd, w_odd, acc)
+    o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
@@ -224,8 +255,9 @@ def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
     """out[r] = x[r] @ dequantize(w[e]).T for the rows r of group e; x [M, K] (unit last
     stride), w: packed [E, N, K/2] (word layout) and scale [E, N, ceil(K/32)] uint8 with unit
     last strides, K a multiple of 8, offs [E] int32 cumulative group ends. Rows after offs[-1]
-    are left unwritten. config: block_m, block_n, block_k, num_warps, num_stages (default
-    `launch_config`)."""
+    are left unwritten. config: block_m, block_t, block_n, block_k, num_warps, num_stages
+    (default `launch_config`); block_t (0: none): an expert's last tile, when it has at most
+    block_t rows, is computed as a tile of block_t rows instead of block_m."""
     E, N, K = w.shape
     if x_MK.shape[1] != K or x_MK.stride(-1) != 1:
         raise ValueError(f"x {list(x_MK.shape)} does not match MXFP4 weights of {K} inputs "
@@ -237,6 +269,9 @@ def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
     cfg = launch_config(M, E, "mxfp4") | config
     if cfg["block_k"] % GROUP_SIZE:
         raise ValueError(f"block_k = {cfg['block_k']} must be a multiple of {GROUP_SIZE}")
+    block_t = cfg.get("block_t", 0)
+    if block_t >= cfg["block_m"]:
+        raise ValueError(f"block_t = {block_t} must be under block_m = {cfg['block_m']}")
     out = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
     if M == 0:
         return out
@@ -244,7 +279,8 @@ def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
     w4a16_grouped_kernel[grid](
         x_MK, w.packed, w.scale, out, offs_E, N, K, x_MK.stride(0),
         w.packed.stride(0), w.packed.stride(1), w.scale.stride(0), w.scale.stride(1),
-        out.stride(0), E, GROUP=GROUP_SIZE, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+        out.stride(0), E, GROUP=GROUP_SIZE, BLOCK_M=cfg["block_m"],
+        BLOCK_T=block_t, BLOCK_N=cfg["block_n"],
         BLOCK_K=cfg["block_k"], BLOCK_E=block_e(E),
         UPCAST=_INTERPRETED and x_MK.dtype != torch.float32,
         PTX=not _INTERPRETED and x_MK.dtype == torch.bfloat16,

@@ -295,6 +295,9 @@ def _interpreted_checks():
     for K, bm in ((48, 16), (64, 64)):  # a partial scale group at decode tiles; prefill tiles
         _check_grouped_mm_mxfp4("cpu", K=K, block_m=bm, block_n=32, block_k=64)
     _check_grouped_mm_mxfp4("cpu", K=64, N=32, block_m=16, block_n=32, block_k=64)  # no overhang
+    # an expert's last tile of at most 16 rows as a 16-row tile: the groups of 3, 67 (64 + 3)
+    # and 70 (64 + 6) rows
+    _check_grouped_mm_mxfp4("cpu", K=64, block_m=64, block_t=16, block_n=32, block_k=64)
     for name in ("T33-D32-I24-E8-k2", "T33-D32-I24-E8-k2-ep4of8"):
         _check_experts(TINY[name], torch.float32, "cpu", use_triton=True, mxfp4=True)
     _check_experts(TINY["T33-D32-I24-E8-k2-ep4of8"], torch.float32, "cpu", use_triton=True,
@@ -322,6 +325,11 @@ def test_grouped_mm_mxfp4_gpu():
         _check_grouped_mm_mxfp4("cuda", M=40, K=K, N=N, tol_bf16=2e-3, block_m=16, block_n=64,
                                 block_k=128, num_stages=4)  # fmt: skip
         _check_grouped_mm_mxfp4("cuda", M=40, K=K, N=N, tol_bf16=2e-3, big=True)
+        # 128-row tiles, an expert's last one of at most 64 rows as a 64-row tile (groups of
+        # 3, 137 and 140 rows)
+        _check_grouped_mm_mxfp4("cuda", M=300, K=K, N=N, tol_bf16=2e-3, block_m=128,
+                                block_t=64, block_n=128, block_k=128, num_warps=4,
+                                num_stages=3)  # fmt: skip
     for shape in ("T8192-prefill", "T64-decode", "T8192-ep2-rank1"):
         _check_experts(K3_SLICE[shape], torch.bfloat16, "cuda", use_triton=True, mxfp4=True)
 
