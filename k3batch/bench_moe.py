@@ -199,6 +199,7 @@ def sweep_configs(decode: bool, bf16: bool = False) -> list[dict]:
     """Launch configs of the Triton grouped GEMMs (bf16 and W4A16) that `--sweep` times; bf16:
     the bf16 kernel's prefill tiles, block_m + block_t rows (see `grouped_mm_triton`)."""
     keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+    tail_keys = ("block_m", "block_t", *keys[1:])
     if decode:  # 256-wide columns: fewer W4A16 instructions per weight in the SASS and fewer
         # registers than 16 x 128 x 256, but slower on the H200 (3.24-3.51 ms against 2.90 at
         # 64 tokens, 8630319)
@@ -213,9 +214,9 @@ def sweep_configs(decode: bool, bf16: bool = False) -> list[dict]:
         grid = itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
         tails = itertools.product((128,), (32, 64), (128, 256), (128,), (4,), (3, 4))
         return [dict(zip(keys, values)) for values in grid] + [
-            dict(zip((*keys[:1], "block_t", *keys[1:]), values)) for values in tails]
+            dict(zip(tail_keys, values)) for values in tails]
     grid = itertools.product((128,), (0, 16, 32, 64), (128, 256), (64,), (4, 8), (3, 4))
-    configs = [dict(zip((*keys[:1], "block_t", *keys[1:]), values)) for values in grid]
+    configs = [dict(zip(tail_keys, values)) for values in grid]
     return [c for c in configs if c["block_n"] == 128 or c["num_warps"] == 8] + [
         dict(block_m=64, block_t=32, block_n=128, block_k=64, num_warps=4, num_stages=3)]
 

@@ -54,9 +54,11 @@ def _append_jsonl(path: str | None, rows: list[dict]) -> None:
 
 
 def _moe_gemms(ctx, param, value: str) -> str:
-    bad = [v for v in value.split(",") if v not in ("auto", "torch", "triton")]
+    from k3kernels.moe.experts import GEMM_IMPLS
+
+    bad = [v for v in value.split(",") if v not in GEMM_IMPLS]
     if bad:
-        raise click.BadParameter(f"{bad[0]!r} is not one of auto, torch, triton")
+        raise click.BadParameter(f"{bad[0]!r} is not one of {', '.join(GEMM_IMPLS)}")
     return value
 
 

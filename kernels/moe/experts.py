@@ -65,6 +65,9 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
     return combine_reference(y_MD, order.slot_pos_Tk, weights_Tk, order.valid_Tk)
 
 
+GEMM_IMPLS = ("auto", "torch", "triton")  # gemm_impl of `fused_experts`
+
+
 def _pick_gemm(w13, w2, ids_Tk, cuda: bool, gemm_impl: str):
     """The grouped GEMM for these weights (see `fused_experts`): W4A16 for packed experts."""
     if isinstance(w13, MXFP4Weight):
@@ -86,4 +89,4 @@ def _pick_gemm(w13, w2, ids_Tk, cuda: bool, gemm_impl: str):
         return grouped_mm_triton
     if gemm_impl == "torch":
         return grouped_mm
-    raise ValueError(f"unknown gemm_impl {gemm_impl!r}; known: auto, torch, triton")
+    raise ValueError(f"unknown gemm_impl {gemm_impl!r}; known: {', '.join(GEMM_IMPLS)}")
