@@ -207,10 +207,10 @@ def sweep_configs(decode: bool, bf16: bool = False) -> list[dict]:
         return [dict(zip(keys, values)) for values in grid]
     if not bf16:  # W4A16. 256-row tiles, which unpack an expert's weight tile once where
         # 128-row ones (two per ~146-row expert) unpack it twice, took 32.0-59.6 ms at 8,192
-        # tokens (256 x {64, 128} x {64, 128}, 8 warps, 2-4 stages) against 26.1 for the
+        # tokens (256 x {64, 128} x {64, 128}, 8 warps, 2-4 stages) against 26.1 for the then
         # tuned 128 x 128 x 128 (one H200, 2026-12-02), so they are not swept. An expert's
-        # last tile of at most block_t rows as a block_t-row tile (64: wgmma, 32: mma.sync; an
-        # expert of ~146 rows then computes 128 + 64 rows, not 256)
+        # last tile of at most block_t rows as a block_t-row tile: 128 + 32 rows x 128 x 128 (4
+        # warps, 3 stages) 21.2 ms, 128 + 64 22.9, 256-wide columns 78-82 (599b3ae)
         grid = itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
         tails = itertools.product((128,), (32, 64), (128, 256), (128,), (4,), (3, 4))
         return [dict(zip(keys, values)) for values in grid] + [

@@ -13,8 +13,9 @@ At prefill this kernel is bound by its MMAs, the unpacking hidden beside them: i
 SASS of the tuned 128 x 128 x 128 tile (4 warps) a 128-input step issues 514 instructions per
 warp against 1,024 cycles of MMA work, and on one H200 (7 k3-slice layers x 8,192 tokens) it
 took 26.1 ms where the bf16 kernel, at 160 computed rows per ~146-row expert against this
-one's 2 x 128, took 16.13 ms: 16.13 x 256 / 160 = 25.8 ms. Hence block_t: 128 + 64 rows per
-such expert (not yet timed on a GPU).
+one's 2 x 128, took 16.13 ms: 16.13 x 256 / 160 = 25.8 ms. Hence block_t: with 128 + 32 rows
+per such expert (the 32-row tile on mma.sync) the same GEMMs took 21.2 ms, 82% of the bf16
+kernel's throughput on the same values (17.4 ms); 128 + 64 (wgmma) took 22.9.
 
 Byte j of a packed row holds inputs 2j and 2j+1, so a tile of BLOCK_K inputs is BLOCK_K / 2
 bytes: the program multiplies the even inputs of x by one half of the codes and the odd inputs
