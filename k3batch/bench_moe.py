@@ -215,6 +215,7 @@ def sweep_configs(decode: bool, bf16: bool = False) -> list[dict]:
         tails = itertools.product((128,), (32, 64), (128, 256), (128,), (4,), (3, 4))
         return [dict(zip(keys, values)) for values in grid] + [
             dict(zip(tail_keys, values)) for values in tails]
+    # bf16: 128-input steps (3 stages at most) took 16.5 ms against 15.5-16.2 (fab7054)
     grid = itertools.product((128,), (0, 16, 32, 64), (128, 256), (64,), (4, 8), (3, 4))
     configs = [dict(zip(tail_keys, values)) for values in grid]
     return [c for c in configs if c["block_n"] == 128 or c["num_warps"] == 8] + [
