@@ -9,8 +9,8 @@ anything that kernel wrote it must call `griddepcontrol.wait`, which returns whe
 has finished and its writes are visible. So what a kernel does before its wait overlaps the
 kernel before it: finding its tile, computing addresses, and loads that depend on nothing
 written since (weights, which `prefetch_l2` asks L2 for). The kernels here release their
-dependents first thing (`release_and_wait`): the next kernel's programs then take free SM
-slots, prefetch and wait there. A program that never waits must not read the previous
+dependents just before they wait (`release_and_wait`): the next kernel's programs then take
+free SM slots, prefetch and wait there. A program that never waits must not read the previous
 kernel's output; one that reads inputs before its wait relies on those coming from a kernel
 that ended before the previous one began (a kernel launched without PDL in between).
 

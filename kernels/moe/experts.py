@@ -47,13 +47,12 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
     if isinstance(w13_EFD, MXFP4Weight) and not use_triton:  # the reference path
         w13_EFD, w2_EDI = w13_EFD.dequantize(x_TD.dtype), w2_EDI.dequantize(x_TD.dtype)
     gemm = _pick_gemm(w13_EFD, w2_EDI, ids_Tk, x_TD.is_cuda, gemm_impl)
-    if pdl and isinstance(w13_EFD, MXFP4Weight):
+    if pdl:
         from k3kernels.pdl import pdl_ready  # kernels are imported when used (the interpreter)
 
-        pdl = pdl_ready(x_TD.device)
-        gemm = partial(gemm, pdl=pdl)
-    else:
-        pdl = False
+        pdl = isinstance(w13_EFD, MXFP4Weight) and pdl_ready(x_TD.device)
+    if pdl:
+        gemm = partial(gemm, pdl=True)
     T = x_TD.shape[0]
     if T == 0:
         return torch.zeros(0, w2_EDI.shape[1], dtype=torch.float32, device=x_TD.device)

@@ -429,7 +429,7 @@ def test_pdl_launches_need_a_compiled_kernel_on_sm90():
 def test_fused_experts_pdl_matches_plain_launches_gpu(shape):
     """The packed pass with programmatic dependent launch (each kernel waits for the one before
     it, the GEMMs prefetch their weights first) gives the plain launches' bits, eagerly and as
-    CUDA-graph replays: a kernel that read its input before the wait would differ."""
+    CUDA-graph replays (a kernel that read its input before the wait could differ)."""
     shapes = K3_SLICE | {"T1-decode": (1, 3584, 3072, 112, 2, 0, 112)}
     assert _pdl_pair(shapes[shape], torch.bfloat16, "cuda", graph=True)
 
