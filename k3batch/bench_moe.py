@@ -14,8 +14,7 @@ gate and up, torch activation, index_add_).
 A row that fails reports its error instead of a time.
 With `--expert-dtype mxfp4` the experts are quantized and kept packed: "experts-mxfp4" and
 "gemm-mxfp4" run the W4A16 kernel (`k3kernels.moe.w4a16`), their TB/s counted on the packed
-bytes (0.53 B per weight), beside the bf16 rows on the same weights' dequantized values; the
-"-pdl" rows launch the same kernels with programmatic dependent launch (`k3kernels.pdl`).
+bytes (0.53 B per weight), beside the bf16 rows on the same weights' dequantized values.
 First H200 run (torch 2.11): experts 22.0 ms = 345 TFLOP/s (44% of peak), gemm 20.1 ms = 378
 TFLOP/s (49%), torch-elementwise 35.0 ms (28%): the grouped GEMMs' tile waste (see
 grouped_gemm.py) bounds this design, not the sort, activation or combine (2 ms together).
@@ -125,21 +124,18 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
         for x, w13, w2, ids, w in layers:
             _loop_experts(x, w13, w2, ids, w, **kw)
 
-    def experts_mxfp4(pdl=False):
-        def run():
-            for (x, _, _, ids, w), (w13, w2) in zip(layers, packed):
-                fused_experts(x, w13, w2, ids, w, use_triton=True, pdl=pdl, **kw)
+    def experts_mxfp4():
+        for (x, _, _, ids, w), (w13, w2) in zip(layers, packed):
+            fused_experts(x, w13, w2, ids, w, use_triton=True, **kw)
 
-        return run
-
-    def gemm_mxfp4(cfg=None, pdl=False):
+    def gemm_mxfp4(cfg=None):
         from k3kernels.moe.w4a16 import grouped_mm_mxfp4
 
         def run():
             h = torch.empty(h_shape, dtype=torch.bfloat16, device=device)
             for (w13, w2), (xs, offs) in zip(packed, sorted_rows):
-                grouped_mm_mxfp4(xs, w13, offs, pdl=pdl, **(cfg or {}))
-                grouped_mm_mxfp4(h, w2, offs, pdl=pdl, **(cfg or {}))
+                grouped_mm_mxfp4(xs, w13, offs, **(cfg or {}))
+                grouped_mm_mxfp4(h, w2, offs, **(cfg or {}))
 
         return run
 
@@ -150,10 +146,7 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
              ("torch-elementwise", experts(False)), ("loop-before", loop_before)]  # fmt: skip
     if expert_dtype == "mxfp4":
         beside = ("experts", "gemm", "experts-triton", "gemm-triton")  # on the dequantized values
-        impls = [("experts-mxfp4", experts_mxfp4()), ("gemm-mxfp4", gemm_mxfp4()),
-                 # programmatic dependent launch (`k3kernels.pdl`), off in the model until timed
-                 ("experts-mxfp4-pdl", experts_mxfp4(pdl=True)),
-                 ("gemm-mxfp4-pdl", gemm_mxfp4(pdl=True)),
+        impls = [("experts-mxfp4", experts_mxfp4), ("gemm-mxfp4", gemm_mxfp4()),
                  *(row for row in impls if row[0] in beside)]  # fmt: skip
     if sweep:  # the Triton kernel of this weight format over launch configs, as "<impl> {cfg}"
         gemm = gemm_mxfp4 if expert_dtype == "mxfp4" else partial(gemm_only, impl="triton")

@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from k3kernels.pdl import launch_options, release_and_wait
-
 
 @triton.jit
 def _tanh(z):
@@ -26,8 +24,7 @@ def _tanh(z):
 
 @triton.jit
 def gated_act_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_out, I, beta, linear_beta,
-                     IS_SITU: tl.constexpr, BLOCK_I: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    release_and_wait(PDL)
+                     IS_SITU: tl.constexpr, BLOCK_I: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = col < I
@@ -54,17 +51,15 @@ def gated_act(gate_MI: torch.Tensor, up_MI: torch.Tensor, act: str, beta: float 
     return _launch(g, u, act, beta, linear_beta).view(gate_MI.shape)
 
 
-def moe_act(h_MF: torch.Tensor, act: str, beta: float = 4.0, linear_beta: float = 25.0, *,
-            pdl: bool = False):  # fmt: skip
-    """act(gate, up) of h [M, 2 I] (unit column stride) -> [M, I] in h's dtype; pdl: launched
-    with programmatic dependent launch (`k3kernels.pdl`; h may be the previous kernel's)."""
+def moe_act(h_MF: torch.Tensor, act: str, beta: float = 4.0, linear_beta: float = 25.0):
+    """act(gate, up) of h [M, 2 I] (unit column stride) -> [M, I] in h's dtype."""
     M, F = h_MF.shape
     if F % 2 or h_MF.stride(-1) != 1:
         raise ValueError(f"moe_act needs [M, 2 I] rows with unit column stride, got {h_MF.shape}")
-    return _launch(h_MF[:, : F // 2], h_MF[:, F // 2 :], act, beta, linear_beta, pdl)
+    return _launch(h_MF[:, : F // 2], h_MF[:, F // 2 :], act, beta, linear_beta)
 
 
-def _launch(g_MI, u_MI, act, beta, linear_beta, pdl=False):
+def _launch(g_MI, u_MI, act, beta, linear_beta):
     if act not in ("situ", "silu"):
         raise ValueError(f"unknown gated activation {act!r}; known: situ, silu")
     M, I = g_MI.shape
@@ -75,5 +70,5 @@ def _launch(g_MI, u_MI, act, beta, linear_beta, pdl=False):
     grid = (M, triton.cdiv(I, BLOCK_I))
     gated_act_kernel[grid](g_MI, u_MI, out, g_MI.stride(0), u_MI.stride(0), out.stride(0), I,
                            float(beta), float(linear_beta), IS_SITU=act == "situ",
-                           BLOCK_I=BLOCK_I, **launch_options(pdl, g_MI.device))  # fmt: skip
+                           BLOCK_I=BLOCK_I)  # fmt: skip
     return out

@@ -12,13 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from k3kernels.pdl import launch_options, release_and_wait
-
 
 @triton.jit
 def moe_combine_kernel(y_ptr, pos_ptr, w_ptr, valid_ptr, out_ptr, stride_y, D,
-                       TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    release_and_wait(PDL)
+                       TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < D
@@ -33,9 +30,9 @@ def moe_combine_kernel(y_ptr, pos_ptr, w_ptr, valid_ptr, out_ptr, stride_y, D,
     tl.store(out_ptr + t * D + d, acc, mask=dmask)
 
 
-def moe_combine(y_MD, slot_pos_Tk, weights_Tk, valid_Tk, *, pdl: bool = False) -> torch.Tensor:
+def moe_combine(y_MD, slot_pos_Tk, weights_Tk, valid_Tk) -> torch.Tensor:
     """fp32 [T, D] from y [M, D] (unit column stride), slot_pos [T, k] int64, weights [T, k],
-    valid [T, k] bool; pdl: launched with programmatic dependent launch (`k3kernels.pdl`)."""
+    valid [T, k] bool."""
     T, k = slot_pos_Tk.shape
     D = y_MD.shape[1]
     out = torch.empty(T, D, dtype=torch.float32, device=y_MD.device)
@@ -45,6 +42,5 @@ def moe_combine(y_MD, slot_pos_Tk, weights_Tk, valid_Tk, *, pdl: bool = False) -
     grid = (T, triton.cdiv(D, BLOCK_D))
     moe_combine_kernel[grid](y_MD, slot_pos_Tk.contiguous(), weights_Tk.float().contiguous(),
                              valid_Tk.contiguous().view(torch.uint8), out, y_MD.stride(0), D,
-                             TOP_K=k, BLOCK_D=BLOCK_D,
-                             **launch_options(pdl, y_MD.device))  # fmt: skip
+                             TOP_K=k, BLOCK_D=BLOCK_D)  # fmt: skip
     return out

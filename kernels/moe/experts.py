@@ -11,8 +11,6 @@ elementwise steps run as plain torch (same math), which is the CPU path of the m
 Shape legend: T tokens, D input width, I expert width, E local experts, k top-k, M = T k.
 """
 
-from functools import partial
-
 import torch
 
 from k3kernels.moe.grouped_gemm import grouped_mm
@@ -23,8 +21,8 @@ from k3kernels.moe.reference import combine_reference, gated_act_reference
 
 def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: float = 4.0,
                   linear_beta: float = 25.0, first_expert: int = 0,
-                  use_triton: bool | None = None, gemm_impl: str = "auto",
-                  pdl: bool = False) -> torch.Tensor:  # fmt: skip
+                  use_triton: bool | None = None,
+                  gemm_impl: str = "auto") -> torch.Tensor:  # fmt: skip
     """sum_j weights[t, j] * w2[e] act(w13[e] x[t]) over the slots j whose expert
     e = ids[t, j] - first_expert is held here (0 <= e < E); fp32 [T, D].
 
@@ -37,22 +35,12 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
     (`grouped_gemm_triton.regime`) and for bf16 at prefill (one H200, k3-slice: 3.9 TB/s
     against 2.9 on the expert bytes at 64 tokens, 58-62% of the bf16 peak against 47-50% at 8,192),
     torch otherwise (fp32 prefill: fp32 GEMMs, not TF32).
-    pdl: with packed experts on the Triton path of a GPU that takes it (`k3kernels.pdl`), the
-    two W4A16 GEMMs, the activation and the combine are launched with programmatic dependent
-    launch, each GEMM prefetching its weights into L2 while the kernel before it finishes
-    (ignored otherwise). Off by default: `k3batch bench moe --expert-dtype mxfp4` times it.
     """
     if use_triton is None:
         use_triton = x_TD.is_cuda
     if isinstance(w13_EFD, MXFP4Weight) and not use_triton:  # the reference path
         w13_EFD, w2_EDI = w13_EFD.dequantize(x_TD.dtype), w2_EDI.dequantize(x_TD.dtype)
     gemm = _pick_gemm(w13_EFD, w2_EDI, ids_Tk, x_TD.is_cuda, gemm_impl)
-    if pdl:
-        from k3kernels.pdl import pdl_ready  # kernels are imported when used (the interpreter)
-
-        pdl = isinstance(w13_EFD, MXFP4Weight) and pdl_ready(x_TD.device)
-    if pdl:
-        gemm = partial(gemm, pdl=True)
     T = x_TD.shape[0]
     if T == 0:
         return torch.zeros(0, w2_EDI.shape[1], dtype=torch.float32, device=x_TD.device)
@@ -69,9 +57,9 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
         from k3kernels.moe.act import moe_act
         from k3kernels.moe.combine import moe_combine
 
-        h_MI = moe_act(h_MF, act, beta, linear_beta, pdl=pdl)
+        h_MI = moe_act(h_MF, act, beta, linear_beta)
         y_MD = gemm(h_MI, w2_EDI, order.offs_E)
-        return moe_combine(y_MD, order.slot_pos_Tk, weights_Tk, order.valid_Tk, pdl=pdl)
+        return moe_combine(y_MD, order.slot_pos_Tk, weights_Tk, order.valid_Tk)
     h_MI = gated_act_reference(h_MF, act, beta, linear_beta).to(h_MF.dtype)
     y_MD = gemm(h_MI, w2_EDI, order.offs_E)
     return combine_reference(y_MD, order.slot_pos_Tk, weights_Tk, order.valid_Tk)

@@ -65,7 +65,6 @@ from k3kernels.moe.grouped_gemm_triton import (
     tile_rows_cols,
 )
 from k3kernels.moe.mxfp4 import GROUP_SIZE, MXFP4Weight
-from k3kernels.pdl import launch_options, prefetch_l2, release_and_wait
 
 
 @triton.jit
@@ -171,14 +170,9 @@ def w4a16_grouped_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, stride_x,
                          stride_qn, stride_se, stride_sn, stride_out, E, GROUP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, UPCAST: tl.constexpr,
-                         PTX: tl.constexpr, EVEN: tl.constexpr, SMALL_SCALES: tl.constexpr,
-                         PDL: tl.constexpr, K_LINES: tl.constexpr):  # fmt: skip
+                         PTX: tl.constexpr, EVEN: tl.constexpr,
+                         SMALL_SCALES: tl.constexpr):  # fmt: skip
     expert, first, n_block = program_tile(offs_ptr, E, N, BLOCK_M, BLOCK_N, BLOCK_E)
-    if PDL:  # the weights do not depend on the kernel before; x does (see `grouped_mm_mxfp4`)
-        if expert < E:
-            _prefetch_weights(q_ptr, s_ptr, expert, n_block, N, stride_qe, stride_qn,
-                              stride_se, stride_sn, K, BLOCK_N, K_LINES)  # fmt: skip
-        release_and_wait(PDL)
     if expert < E:
         rows = tl.load(offs_ptr + expert) - first
         if BLOCK_T > 0 and rows <= BLOCK_T:  # an expert's last tile, of few rows
@@ -191,18 +185,6 @@ def w4a16_grouped_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, stride_x,
                         stride_qn, stride_se, stride_sn, stride_out, expert, first, n_block,
                         GROUP, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PTX, EVEN,
                         SMALL_SCALES)  # fmt: skip
-
-
-@triton.jit
-def _prefetch_weights(q_ptr, s_ptr, expert, n_block, N, stride_qe, stride_qn, stride_se,
-                      stride_sn, K, BLOCK_N: tl.constexpr, K_LINES: tl.constexpr):  # fmt: skip
-    """L2 prefetch of the program's BLOCK_N packed weight rows (K / 2 bytes each, in 128-byte
-    lines; K_LINES, a power of two, covers them) and their scale rows."""
-    cols = tl.minimum(n_block * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-    line = tl.minimum(tl.arange(0, K_LINES), tl.cdiv(K // 2, 128) - 1)
-    q_rows = q_ptr + expert.to(tl.int64) * stride_qe + cols * stride_qn
-    prefetch_l2(q_rows[:, None] + (line * 128)[None, :])
-    prefetch_l2(s_ptr + expert.to(tl.int64) * stride_se + cols * stride_sn)
 
 
 @triton.jit
@@ -269,17 +251,14 @@ def _w4a16_tile(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, stride_x, stride_q
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor, *,
-                     pdl: bool = False, **config) -> torch.Tensor:  # fmt: skip
+def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
+                     **config) -> torch.Tensor:  # fmt: skip
     """out[r] = x[r] @ dequantize(w[e]).T for the rows r of group e; x [M, K] (unit last
     stride), w: packed [E, N, K/2] (word layout) and scale [E, N, ceil(K/32)] uint8 with unit
     last strides, K a multiple of 8, offs [E] int32 cumulative group ends. Rows after offs[-1]
     are left unwritten. config: block_m, block_t, block_n, block_k, num_warps, num_stages
     (default `launch_config`); block_t (0: none): an expert's last tile, when it has at most
-    block_t rows, is computed as a tile of block_t rows instead of block_m. pdl: launched with
-    programmatic dependent launch (`k3kernels.pdl`): each program finds its tile and
-    prefetches its weights into L2 before it waits for the kernel before it, so offs must
-    not be that kernel's output (in `fused_experts` the gather of x runs after the sort)."""
+    block_t rows, is computed as a tile of block_t rows instead of block_m."""
     E, N, K = w.shape
     if x_MK.shape[1] != K or x_MK.stride(-1) != 1:
         raise ValueError(f"x {list(x_MK.shape)} does not match MXFP4 weights of {K} inputs "
@@ -307,8 +286,6 @@ def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor, *
         UPCAST=_INTERPRETED and x_MK.dtype != torch.float32,
         PTX=not _INTERPRETED and x_MK.dtype == torch.bfloat16,
         EVEN=K % cfg["block_k"] == 0 and N % cfg["block_n"] == 0, SMALL_SCALES=w.small_scales,
-        K_LINES=triton.next_power_of_2(triton.cdiv(K // 2, 128)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **launch_options(pdl, x_MK.device),
     )  # fmt: skip
     return out

@@ -15,8 +15,6 @@ Old code: `Experts.forward` read the group counts with `.tolist()`, which
 """
 
 
-from functools import partial
-
 import pytest
 import torch
 from k3kernels.moe import TOLERANCES
@@ -300,8 +298,6 @@ def _interpreted_checks():
     # an expert's last tile of at most 16 rows as a 16-row tile: the groups of 3, 67 (64 + 3)
     # and 70 (64 + 6) rows
     _check_grouped_mm_mxfp4("cpu", K=64, block_m=64, block_t=16, block_n=32, block_k=64)
-    # programmatic dependent launch asked for where it cannot run: the same launches
-    assert _pdl_pair(TINY["T33-D32-I24-E8-k2"], torch.float32, "cpu", graph=False)
     for name in ("T33-D32-I24-E8-k2", "T33-D32-I24-E8-k2-ep4of8"):
         _check_experts(TINY[name], torch.float32, "cpu", use_triton=True, mxfp4=True)
     _check_experts(TINY["T33-D32-I24-E8-k2-ep4of8"], torch.float32, "cpu", use_triton=True,
@@ -382,56 +378,6 @@ def test_fused_experts_deterministic_and_sync_free_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(first, again)
-
-
-def _pdl_pair(shape, dtype, device, graph: bool) -> bool:
-    """Whether the packed-expert pass gives the same bits with pdl=True as without, run
-    eagerly, then (graph) as replays of a CUDA graph of each."""
-    from k3kernels.moe.mxfp4 import MXFP4Weight, quantize_mxfp4
-
-    x, w13, w2, ids, w = _inputs(shape, dtype, device)
-    w13, w2 = (MXFP4Weight.from_checkpoint(*quantize_mxfp4(t)) for t in (w13, w2))
-    runs = [partial(fused_experts, x, w13, w2, ids, w, act="situ", use_triton=True, pdl=pdl)
-            for pdl in (False, True)]  # fmt: skip
-    plain, pdl = (run() for run in runs)
-    if not torch.equal(plain, pdl):
-        return False
-    if graph:
-        for run in runs:
-            run()  # compiled before capture
-        graphs, outs = [], []
-        for run in runs:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                outs.append(run())
-            graphs.append(g)
-        for g in graphs:
-            g.replay()
-        torch.cuda.synchronize()
-        return torch.equal(outs[0], plain) and torch.equal(outs[1], plain)
-    return True
-
-
-def test_pdl_launches_need_a_compiled_kernel_on_sm90():
-    """Asked for directly on the CPU (or the interpreter), PDL is an error that says why;
-    `fused_experts` only takes it where it runs (checked in the interpreted test)."""
-    from k3kernels.pdl import launch_options
-
-    assert launch_options(False, torch.device("cpu")) == {"PDL": False}
-    with pytest.raises(ValueError, match="programmatic dependent launch"):
-        launch_options(True, torch.device("cpu"))
-
-
-@pytest.mark.parametrize("shape", ["T1-decode", "T64-decode", "T8192-prefill"])
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="needs a GPU of compute capability 9 or more")  # fmt: skip
-def test_fused_experts_pdl_matches_plain_launches_gpu(shape):
-    """The packed pass with programmatic dependent launch (each kernel waits for the one before
-    it, the GEMMs prefetch their weights first) gives the plain launches' bits, eagerly and as
-    CUDA-graph replays (a kernel that read its input before the wait could differ)."""
-    shapes = K3_SLICE | {"T1-decode": (1, 3584, 3072, 112, 2, 0, 112)}
-    assert _pdl_pair(shapes[shape], torch.bfloat16, "cuda", graph=True)
 
 
 def test_decode_tiles_up_to_eight_slots_per_expert():
