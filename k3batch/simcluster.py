@@ -9,6 +9,9 @@ process on the host, other users' too) and reads a config file the wheel does no
 starts its head in a session of its own, with its own ports and temp dir, and `stop()` ends
 exactly the processes of that session (`stop_session`, which the tests' shared Ray head uses
 too, as it does `free_port`).
+
+`multinode_cluster` is the tests' other multi-node cluster: Ray's `Cluster` (no autoscaler),
+whose nodes the test adds and removes itself.
 """
 
 import json
@@ -20,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 STARTUP_TIMEOUT_S = 60.0
@@ -46,9 +50,10 @@ class SimulatedCluster:
         # token under the tests; else off, even where a local token file would turn it on).
         env.setdefault("RAY_AUTH_MODE", "disabled")
         env.pop("RAY_ADDRESS", None)
+        head_cpus = self.config["available_node_types"]["ray.head.default"]["resources"]["CPU"]
         cmd = [
             ray_cli, "start", "--head", "--block", f"--port={self.gcs_port}",
-            f"--num-cpus={self.config['available_node_types']['ray.head.default']['resources']['CPU']}",
+            f"--num-cpus={head_cpus}",
             f"--autoscaling-config={config_path}", f"--temp-dir={self.temp_dir}",
             "--include-dashboard=false", "--disable-usage-stats",
             f"--ray-client-server-port={free_port()}",
@@ -124,6 +129,31 @@ def _config(worker_types: dict, head_cpus: int, idle_timeout_s: float, gcs_addre
         "head_start_ray_commands": [],
         "worker_start_ray_commands": [],
     }
+
+
+@contextmanager
+def multinode_cluster(head_cpus: int, *, dashboard: bool = False):
+    """A `ray.cluster_utils.Cluster` head with head_cpus CPUs, on ports and a temp dir of its
+    own (so that it never meets another test's cluster), removed with its temp dir on exit;
+    dashboard: with the dashboard (the state API: `ray.util.state.list_actors`)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    # Cluster() writes the head's address into Ray's default temp dir, which it does not create
+    # (a ray.init() without an address, here or in another xdist worker, would join this head:
+    # the tests all pass one)
+    os.makedirs(os.path.dirname(ray._private.utils.get_ray_address_file(None)), exist_ok=True)
+    temp_dir = tempfile.mkdtemp(prefix="k3c", dir="/tmp")
+    ports = {"dashboard_port": free_port()} if dashboard else {}
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=head_cpus, temp_dir=temp_dir, gcs_server_port=free_port(),
+        include_dashboard=dashboard, dashboard_agent_listen_port=free_port(),
+        ray_client_server_port=free_port(), **ports))  # fmt: skip
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)  # shutdown() leaves it
 
 
 def free_port() -> int:

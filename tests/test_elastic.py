@@ -17,9 +17,6 @@ The node tests share one head (each adds and removes its own worker nodes); the 
 and stops its own cluster. The module skips when Ray is already connected.
 """
 
-import os
-import shutil
-import tempfile
 import threading
 import time
 
@@ -27,7 +24,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from k3batch.driver import run_job
 from k3batch.driver.bench_elastic import format_timeline, run_elastic
@@ -36,7 +32,7 @@ from k3batch.engine.request import SamplingParams
 from k3batch.jobspec import EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaRange
 from k3batch.jobspec import ReplicaSpec
 from k3batch.model.weights import init_checkpoint
-from k3batch.simcluster import free_port
+from k3batch.simcluster import multinode_cluster
 
 GPU_NODE = {"num_cpus": 2, "num_gpus": 1, "resources": {"accelerator_type:SIM": 1}}
 
@@ -51,27 +47,8 @@ def _no_ray_yet():
 def fixed_head():
     """A head that runs nothing but tokenize tasks (1 CPU, no GPU), started once for the tests
     that add worker nodes (`fixed_cluster`)."""
-    # Cluster() writes the head's address into Ray's default temp dir, which it does not create
-    # (a ray.init() without an address, here or in another xdist worker, would join this head:
-    # the tests here and elsewhere all pass one)
-    os.makedirs(os.path.dirname(ray._private.utils.get_ray_address_file(None)), exist_ok=True)
-    temp_dir = tempfile.mkdtemp(prefix="k3c", dir="/tmp")
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args=dict(
-            num_cpus=1,
-            temp_dir=temp_dir,
-            gcs_server_port=free_port(),
-            include_dashboard=False,
-            dashboard_agent_listen_port=free_port(),
-            ray_client_server_port=free_port(),
-        ),
-    )
-    try:
+    with multinode_cluster(1) as cluster:
         yield cluster
-    finally:
-        cluster.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)  # shutdown() leaves it (one per run)
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ replica's group (device to device on GPUs); only the buffers' manifests go throu
 
 import time
 
-import ray
 import torch
 import torch.distributed as dist
 
@@ -25,6 +24,7 @@ from k3batch.actors.placement import (
     get_within,
     join_process_group,
     member_info,
+    shutdown_actors,
 )
 from k3batch.cache.paged import PagedCache
 from k3batch.engine.config import EngineConfig
@@ -224,10 +224,4 @@ class DecodeGroupRunner:
         }
 
     def shutdown(self) -> None:
-        try:
-            ray.get([a.shutdown.remote() for a in self.ranks], timeout=30)
-        except (ray.exceptions.RayError, TimeoutError):
-            pass  # a dead or hung rank: killed below
-        finally:
-            for a in self.ranks:
-                ray.kill(a)
+        shutdown_actors(self.ranks)

@@ -11,7 +11,12 @@ one raises TimeoutError after `call_timeout_s`; the replica then goes down and i
 
 import ray
 
-from k3batch.actors.placement import CALL_TIMEOUT_S, batch_meta, get_within
+from k3batch.actors.placement import (
+    CALL_TIMEOUT_S,
+    batch_meta,
+    get_within,
+    shutdown_actors,
+)
 from k3batch.model.config import K3Config
 from k3batch.model.forward_batch import ForwardBatch
 
@@ -96,10 +101,4 @@ class PipelineRunner:
         return {"busy": busy, "bubble": 1 - sum(busy) / len(busy), "span_s": span}
 
     def shutdown(self) -> None:
-        try:
-            ray.get([s.shutdown.remote() for s in self.stages], timeout=30)
-        except (ray.exceptions.RayError, TimeoutError):
-            pass  # a dead or hung stage: killed below
-        finally:
-            for s in self.stages:
-                ray.kill(s)
+        shutdown_actors(self.stages)

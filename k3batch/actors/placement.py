@@ -156,6 +156,17 @@ def _kill(actors: list) -> None:
         ray.kill(a)
 
 
+def shutdown_actors(actors: list, timeout_s: float = 30.0) -> None:
+    """Call each actor's `shutdown`, then kill them all: a dead or hung actor holds nothing up
+    for longer than timeout_s."""
+    try:
+        ray.get([a.shutdown.remote() for a in actors], timeout=timeout_s)
+    except (ray.exceptions.RayError, TimeoutError):
+        pass  # a dead or hung actor: killed below
+    finally:
+        _kill(actors)
+
+
 def batch_meta(batch) -> dict:
     """What a group's actors need of a ForwardBatch (the rest stays with the engine)."""
     return {

@@ -74,6 +74,7 @@ class ReplicaPool:
         self.starting: dict = {}  # actor ready() ref -> (slot, sent at)
         self.t0 = time.monotonic() if t0 is None else t0
         self.idle_since: float | None = None  # no replica up or draining since
+        self.idle_noticed = 0.0  # when the last "no replica is up" warning was logged
         self.timeline: list[tuple[float, int]] = []  # (s since start, replicas up), on change
         self.final_stats: list[dict] = []  # of replicas released before the end
 
@@ -120,6 +121,10 @@ class ReplicaPool:
                 f"replica(s) wait for bundles {self.bundles} ({self.strategy}); the cluster has "
                 f"{_free()} free"
             )
+        elif now - self.idle_noticed >= NOTICE_EVERY_S:  # replicas moved or rebuilt: say so
+            self.idle_noticed = now
+            log.warning("no replica is up; %s", self._startup_notice(
+                self.r.min_replicas, now - self.idle_since, self.r.wait_timeout_s))  # fmt: skip
         self._record()
 
     # ---- startup -------------------------------------------------------------------------
