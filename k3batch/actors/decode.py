@@ -1,7 +1,8 @@
 """The decode half of a replica: a TP group of N DecodeRankActors (one per device, N >= 1; in the
-replica's placement group, on one node when its GPUs fit one), and the DecodeGroupRunner that drives it behind the engine's
-runner protocol. The ranks are world ranks P..P+N-1 of the replica's process group (NCCL on
-GPU, gloo on CPU), after the P prefill stages; their TP and DCP groups are subgroups of it.
+replica's placement group, on one node when its GPUs fit one), and the DecodeGroupRunner that
+drives it behind the engine's runner protocol. The ranks are world ranks P..P+N-1 of the
+replica's process group (NCCL on GPU, gloo on CPU), after the P prefill stages; their TP and DCP
+groups are subgroups of it.
 
 Each rank loads only its shard of the checkpoint and keeps, in its arena (`cache.paged`), per
 request a KDA block with its heads of every KDA state and MLA pages with its token stripe of
