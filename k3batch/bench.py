@@ -143,8 +143,9 @@ def _expert_dtype(model) -> str:
 
 def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, new_tokens: int,
                       chunk_size: int, seed: int = 0, profile: bool = False,
-                      cuda_graphs: bool = True, expert_dtype: str | None = None,
-                      model_dir: str | None = None, moe_gemm: str = "auto") -> dict:  # fmt: skip
+                      cuda_graphs: bool = True, overlap: bool = True,
+                      expert_dtype: str | None = None, model_dir: str | None = None,
+                      moe_gemm: str = "auto") -> dict:  # fmt: skip
     """Single-device engine speed on random weights made on the device, or on the checkpoint at
     `model_dir` (its own flavor; experts as stored unless expert_dtype says otherwise):
     prefill tokens/s over `batch` prompts (median of PREFILL_REPEATS), then decode tokens/s
@@ -186,7 +187,7 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
     use_gemm(gemms[0])
     cfg = EngineConfig(max_num_seqs=batch, max_seq_len=prompt_len + new_tokens + 1,
                        chunk_size=chunk_size, max_batch_tokens=max(chunk_size, 8192),
-                       cuda_graphs=cuda_graphs)  # fmt: skip
+                       cuda_graphs=cuda_graphs, overlap=overlap)  # fmt: skip
     t0 = time.perf_counter()
     engine = Engine(model, cfg)  # on CUDA: captures the decode graphs (warm-up included)
     capture_s = time.perf_counter() - t0
@@ -237,7 +238,8 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
             times[impl].append(prefill(first_only))
     use_gemm(gemms[0])
     prefill()
-    t_decode, steps = decode()
+    t_decode, _ = decode()
+    step_ms = 1000 * t_decode / max(new_tokens - 1, 1)  # the first token came with the prefill
     floor = _decode_floor(engine, model, prefill, decode, batch * [prompt_len + new_tokens // 2])
     flops_per_token = 2 * active_params(model.config)
 
@@ -251,14 +253,15 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
         "prompt_len": prompt_len,
         "new_tokens": new_tokens, "chunk_size": chunk_size, "build_s": round(build_s, 1),
         "graphs": engine.runner.graphs is not None and bool(engine.runner.graphs.graphs),
+        "overlap": engine.overlap,
         "capture_s": round(capture_s, 1),
         "prefill_tokens_per_s": round(prefill_tps, 1),
         "prefill_tflops": round(prefill_tps * flops_per_token / 1e12, 1),
         "prefill_mfu_pct": mfu(prefill_tps),
         "decode_tokens_per_s": round(batch * (new_tokens - 1) / t_decode, 1),
-        "decode_step_ms": round(1000 * t_decode / max(steps, 1), 2),
+        "decode_step_ms": round(step_ms, 2),
         "decode_floor_ms": round(floor.floor_ms(), 3),
-        "decode_roofline_x": round(1000 * t_decode / max(steps, 1) / floor.floor_ms(), 2),
+        "decode_roofline_x": round(step_ms / floor.floor_ms(), 2),
         "decode_bytes": {k: getattr(floor, k) for k in ("dense", "experts", "kda", "mla")},
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
         "model": model_dir, "expert_dtype": _expert_dtype(model), "moe_gemm": moe_gemm,

@@ -71,6 +71,8 @@ def _moe_gemms(ctx, param, value: str) -> str:
 @click.option("--chunk-size", default=2048, show_default=True, type=int)
 @click.option("--profile", is_flag=True, help="Also print the top ops of prefill and decode.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True)
+@click.option("--overlap/--no-overlap", default=True, show_default=True,
+              help="Launch each decode step before the host takes the last one's tokens.")
 @click.option("--expert-dtype", type=click.Choice(["bf16", "mxfp4"]), default=None,
               help="Routed experts in memory (mxfp4: packed, W4A16); default bf16 on random "
               "weights, as stored with --model.")  # fmt: skip
@@ -82,7 +84,7 @@ def _moe_gemms(ctx, param, value: str) -> str:
               "between them in one process, a median each.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, profile, cuda_graphs,
-                 expert_dtype, model_dir, moe_gemm, json_path):  # fmt: skip
+                 overlap, expert_dtype, model_dir, moe_gemm, json_path):  # fmt: skip
     """Single-device engine throughput, prefill MFU and peak memory on random weights or a
     checkpoint."""
     from k3batch.actors.build import default_device
@@ -97,6 +99,7 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, prof
         chunk_size=chunk_size,
         profile=profile,
         cuda_graphs=cuda_graphs,
+        overlap=overlap,
         expert_dtype=expert_dtype,
         model_dir=model_dir,
         moe_gemm=moe_gemm,

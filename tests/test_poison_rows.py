@@ -83,15 +83,15 @@ def test_engine_fails_bad_requests_alone(model_factory, monkeypatch):
                 for rid, (ids, sp) in good.items()}  # fmt: skip
 
     # One request whose own work raises after the forward: it fails, the rest go on.
-    real_sample = engine_mod.sample_batch
+    real_sample = engine_mod.sample
     boom = _sampling(seed=13)
 
-    def sample_batch(logits, params, *args, **kw):
+    def sample(logits, params, *args, **kw):
         if any(p is boom for p in params):
             raise RuntimeError("sampler exploded")
         return real_sample(logits, params, *args, **kw)
 
-    monkeypatch.setattr(engine_mod, "sample_batch", sample_batch)
+    monkeypatch.setattr(engine_mod, "sample", sample)
     engine = Engine(model, config)
     for rid, (ids, overrides, _) in BAD_REQUESTS.items():
         engine.add_request(rid, ids, _sampling(**overrides))

@@ -25,6 +25,8 @@ class EngineConfig:
     # else room for max_num_seqs requests of max_seq_len tokens
     memory_fraction: float = 0.0  # of a GPU for weights + workspace + arena (0: 0.9)
     cuda_graphs: bool = True  # replay the decode step as CUDA graphs (CUDA: one device, TP ranks)
+    overlap: bool = True  # one device: launch each decode step before the host takes the tokens
+    # of the one before (the step's inputs come from the device; see `Engine._decode`)
 
     def batch_tokens(self, cuda: bool) -> int:
         """max_batch_tokens, or its default on this kind of device (never below chunk_size)."""

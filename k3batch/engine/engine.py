@@ -5,7 +5,8 @@ Contract: the engine knows nothing of text, and nothing of where the model runs 
 `runner.depth` batches of prompt chunks submitted back to back, so that a pipeline's stages
 all work) and decodes one token for every request whose prompt is done: one after the other
 on a single runner, at the same time when a separate decode runner (a TP/DCP group) takes
-requests by handoff. It returns the requests that finished.
+requests by handoff. It returns the requests that finished. On one device a decode step is
+launched before the host takes the tokens of the step before it (`overlap`, see `_decode`).
 
 Disaggregated, the two sides run at their own pace: prefill batches stay in flight across
 steps, a step waits for one only when it has no decode step to run (an 8,192-token chunk takes
@@ -36,7 +37,7 @@ from k3batch.cache.manager import CacheManager
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import GenerationResult, Phase, Request, SamplingParams
 from k3batch.engine.runner import LocalRunner, sized
-from k3batch.engine.sampler import add_prompt_logprobs, draw_seed, sample_batch
+from k3batch.engine.sampler import Sampled, add_prompt_logprobs, draw_seed, sample
 from k3batch.model.forward_batch import ForwardBatch, to_device
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,11 @@ class Engine:
         self._pending: dict[tuple[int, ...], str] = {}
         self._errors: list[GenerationResult] = []
         self._prefilling: deque = deque()  # disaggregated: prefill batches in flight, oldest first
+        # Overlapped decode (one runner that takes device tokens): the decode step whose tokens
+        # are still on their way to the host, (requests, Sampled).
+        self.overlap = (config.overlap and decode_runner is None
+                        and getattr(self.runner, "feeds_tokens", False))  # fmt: skip
+        self._inflight: tuple[list[Request], Sampled] | None = None
 
     def _account(self, runner, prefix_cache: bool) -> CacheManager:
         """The memory account of a runner's arenas; a runner that pads decode batches gets
@@ -173,16 +179,18 @@ class Engine:
         if self.decode_runner is None:  # one set of devices: prefill first, then decode
             prefill = [r for r in self.running if r.phase is Phase.PREFILL]
             if prefill:
+                self._take_inflight()
                 self._finish_prefills(self._submit_prefills(prefill, self.runner.depth))
             elif decoding := self._make_room(self.pool):
-                self._finish_decode(*self._submit_decode(decoding, self.runner, self.pool))
+                self._decode(decoding, self.runner, self.pool)
+            else:
+                self._take_inflight()
         else:  # disaggregated: prefill batches in flight across steps, a decode step each step
             prefill = [r for r in self.running if r.phase is Phase.PREFILL]
             free = self.runner.depth - len(self._prefilling)
             self._prefilling.extend(self._submit_prefills(prefill, free))
             if decoding := self._make_room(self.decode_pool):
-                self._finish_decode(*self._submit_decode(decoding, self.decode_runner,
-                                                         self.decode_pool))  # fmt: skip
+                self._decode(decoding, self.decode_runner, self.decode_pool)
             elif self._prefilling:  # nothing else to wait for
                 self._finish_prefills([self._prefilling.popleft()])
             while self._prefilling and self.runner.ready(self._prefilling[0][3]):
@@ -240,8 +248,14 @@ class Engine:
 
     def _make_room(self, pool: CacheManager) -> list[Request]:
         """The decoding requests of `pool`, each with a page for its next token; when pages
-        run out the youngest is retracted (oldest requests keep going)."""
-        decoding = [r for r in self.running if r.phase is Phase.DECODE and pool.holds(r.request_id)]
+        run out the youngest is retracted (oldest requests keep going). A request whose token
+        in flight (overlapped decode) is its last by length takes no further step."""
+        pending = self._pending_rows()
+        decoding = [
+            r for r in self.running
+            if r.phase is Phase.DECODE and pool.holds(r.request_id)
+            and not (r in pending and self._last_by_length(r))
+        ]  # fmt: skip
         i = 0
         while i < len(decoding):  # decoding[i + 1:] may shrink from the end (retractions)
             req = decoding[i]
@@ -266,6 +280,7 @@ class Engine:
     def _abort(self, req: Request, reason: str) -> None:
         if req in self.running:
             self._drop(req)
+        req.phase = Phase.FINISHED  # a token of it still in flight is dropped unread
         self._seeds.pop(req.request_id)
         self._fail(req, reason)
 
@@ -375,11 +390,27 @@ class Engine:
         self._abort(req, f"{type(e).__name__}: {e}")
 
     # ---- decode ---------------------------------------------------------------------------
-    def _submit_decode(self, reqs: list[Request], runner, pool: CacheManager):
-        """One decode batch. A runner that `pads_decode` (a decode group; one device with CUDA
+    def _pending_rows(self) -> dict[Request, int]:
+        """Requests whose token is in flight -> their row in that decode step."""
+        return {r: i for i, r in enumerate(self._inflight[0])} if self._inflight else {}
+
+    def _last_by_length(self, req: Request) -> bool:
+        """Whether one more token ends `req` by length (max_new_tokens or max_seq_len)."""
+        p = req.sampling
+        return (len(req.output_token_ids) + 1 >= p.max_new_tokens
+                or req.num_tokens + 1 >= self.config.max_seq_len)  # fmt: skip
+
+    def _decode(self, reqs: list[Request], runner, pool: CacheManager) -> None:
+        """One decode step. A runner that `pads_decode` (a decode group; one device with CUDA
         graphs) gets the batch padded to a power of two (capped at max_num_seqs) with dummy
         rows in the scratch block and page, so decode steps take the few shapes that CUDA
-        graphs were captured for; their logits are dropped."""
+        graphs were captured for; their logits are dropped.
+        Overlapped (`self.overlap`): a request whose last token is still in flight feeds it
+        from the device (`runner.submit(feed=...)`), and this step's tokens are sampled and
+        launched before the host takes the previous step's: the device always has the next
+        step queued while the host does its bookkeeping. A request that stops on a token of
+        the step in flight has computed one token more; it is dropped unread."""
+        pending = self._pending_rows()
         rids = [r.request_id for r in reqs]
         cached = [r.num_computed for r in reqs]
         if getattr(runner, "pads_decode", False):
@@ -392,39 +423,68 @@ class Engine:
             page_tables=[pool.pages_of(rid) for rid in rids],
         )
         runner.apply(pool.drain())
-        ids = [r.last_token_id for r in reqs] + [0] * (len(rids) - len(reqs))
-        return reqs, runner, runner.submit(ids, batch, all_logits=False)
-
-    def _finish_decode(self, reqs: list[Request], runner, handle) -> None:
-        logits = runner.wait(handle)
+        ids = [-1 - pending[r] if r in pending else r.last_token_id for r in reqs]
+        feed = {"feed": self._inflight[1].tokens} if pending else {}
+        handle = runner.submit(ids + [0] * (len(rids) - len(reqs)), batch, False, **feed)
+        logits = runner.wait(handle)[: len(reqs)]
         for r in reqs:
             r.num_computed += 1
-        self._sample(reqs, logits[: len(reqs)])
-
-    def _sample(self, reqs: list[Request], logits_BV) -> None:
-        """One token for each request from its row of logits, sampled where the logits are.
-        If the batch call fails, each request is sampled alone, so a failure stays its own."""
         try:
-            tokens, logprobs = self._draw(reqs, logits_BV)
+            sampled = self._draw(reqs, logits, [len(r.output_token_ids) + (r in pending)
+                                                for r in reqs])  # fmt: skip
         except Exception:
             log.exception("sampling a batch of %d failed; sampling each alone", len(reqs))
-            for i, r in enumerate(reqs):
-                with self._failing_alone(r):
-                    (tok,), lp = self._draw([r], logits_BV[i : i + 1])
-                    self._append_token(r, tok, lp[0] if lp else None)
-            return
+            sampled = None
+        self._take_inflight()
+        if sampled is None:
+            live = [i for i, r in enumerate(reqs) if r.phase is Phase.DECODE]
+            self._sample_each([reqs[i] for i in live], logits[live])
+        elif self.overlap:
+            self._inflight = reqs, sampled
+        else:
+            self._take(reqs, sampled)
+
+    def _take_inflight(self) -> None:
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            self._take(*inflight)
+
+    def _take(self, reqs: list[Request], sampled: Sampled) -> None:
+        """Append sampled tokens to their requests, but not to those finished, failed or
+        retracted since the step was launched."""
+        tokens, logprobs = sampled.result()
         for i, r in enumerate(reqs):  # the hot loop of a decode step: no context manager
+            if r.phase is Phase.FINISHED or r.phase is Phase.WAITING:
+                continue
             try:
                 self._append_token(r, tokens[i], logprobs[i] if logprobs else None)
             except Exception as e:
                 self._fail_alone(r, e)
 
-    def _draw(self, reqs: list[Request], logits_BV):
-        return sample_batch(
+    def _sample(self, reqs: list[Request], logits_BV) -> None:
+        """One token for each request from its row of logits, sampled where the logits are.
+        If the batch call fails, each request is sampled alone, so a failure stays its own."""
+        try:
+            sampled = self._draw(reqs, logits_BV, [len(r.output_token_ids) for r in reqs])
+        except Exception:
+            log.exception("sampling a batch of %d failed; sampling each alone", len(reqs))
+            self._sample_each(reqs, logits_BV)
+            return
+        self._take(reqs, sampled)
+
+    def _sample_each(self, reqs: list[Request], logits_BV) -> None:
+        for i, r in enumerate(reqs):
+            with self._failing_alone(r):
+                sampled = self._draw([r], logits_BV[i : i + 1], [len(r.output_token_ids)])
+                (tok,), lp = sampled.result()
+                self._append_token(r, tok, lp[0] if lp else None)
+
+    def _draw(self, reqs: list[Request], logits_BV, positions: list[int]) -> Sampled:
+        return sample(
             logits_BV,
             [r.sampling for r in reqs],
             [self._seeds[r.request_id] for r in reqs],
-            [len(r.output_token_ids) for r in reqs],
+            positions,
             want_logprobs=any(r.sampling.logprobs for r in reqs),
         )
 

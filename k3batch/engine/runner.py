@@ -8,7 +8,10 @@ every arena (queued by the engine's `CacheManager`, run before any later call);
 were made (the local runner) or on the CPU (actors); the engine samples them where they are.
 Calls run in submission order. `depth` is how many forwards may usefully be in flight at once
 (1 on one device; the number of stages for a pipeline). A runner that `pads_decode` gets decode
-batches padded to a bucket with scratch rows (see `Engine._submit_decode`).
+batches padded to a bucket with scratch rows (see `Engine._decode`). A runner that
+`feeds_tokens` takes `submit(..., feed=tokens)`: a device tensor of the previous decode step's
+sampled ids, which ids < 0 stand for (id -1 - i is feed[i]), so that step's tokens need not
+reach the host first (the engine's overlapped decode).
 """
 
 import dataclasses
@@ -18,7 +21,7 @@ import torch
 from k3batch.cache.layout import CacheLayout
 from k3batch.cache.paged import PagedCache
 from k3batch.engine.config import CPU_MAX_NUM_SEQS, EngineConfig
-from k3batch.engine.graphs import DecodeGraphs
+from k3batch.engine.graphs import DecodeGraphs, fill_fed
 from k3batch.model.forward_batch import ForwardBatch
 
 
@@ -106,6 +109,7 @@ class LocalRunner:
 
     depth = 1
     dcp_size = 1
+    feeds_tokens = True
 
     def __init__(self, model, config: EngineConfig, *, static_decode: bool = False):
         self.model, self.config = model, model.config
@@ -140,10 +144,12 @@ class LocalRunner:
             self.cache.apply(moves)
 
     @torch.inference_mode()
-    def submit(self, ids: list[int], batch: ForwardBatch, all_logits: bool):
+    def submit(self, ids: list[int], batch: ForwardBatch, all_logits: bool, feed=None):
         if self.graphs is not None and DecodeGraphs.serves(batch, all_logits) and not self.eager:
-            return self.graphs.run(ids, batch)
+            return self.graphs.run(ids, batch, feed)
         x = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        if feed is not None:
+            x = fill_fed(x, feed)
         return self.model.forward_batch(x, batch, self.cache, all_logits=all_logits)
 
     def wait(self, handle):

@@ -7,7 +7,8 @@ So a request's tokens depend only on its own logits, seed and position: never on
 batch, the device, or whether it was retracted and run again. Filters: top-k keeps the k most
 likely tokens, then top-p the smallest set of them whose probability reaches top_p (the first
 always kept), renormalized. Only the chosen ids (and their log-probs, of the raw model
-distribution, when asked) leave the device, in one copy per call.
+distribution, when asked) leave the device, in one copy per call, which `Sampled.result`
+waits for.
 Shape legend: B rows, V vocabulary.
 """
 
@@ -38,17 +39,46 @@ def draw_seed() -> int:
     return random.SystemRandom().getrandbits(63)
 
 
-def sample_batch(
+class Sampled:
+    """The tokens of one sampled batch: `tokens` on the logits' device (a decode step can feed
+    them to the next one there), and a copy on its way to the host, started at once so that
+    `result()` waits for this batch only, not for work queued after it."""
+
+    def __init__(self, tokens_B: torch.Tensor, logprobs_B: torch.Tensor | None):
+        self.tokens = tokens_B
+        self._with_logprobs = logprobs_B is not None
+        vals = tokens_B if logprobs_B is None else torch.stack([tokens_B.double(), logprobs_B])
+        self._ready = None
+        if vals.is_cuda:
+            self._host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
+            self._host.copy_(vals, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = vals
+
+    def result(self) -> tuple[list[int], list[float] | None]:
+        """(token ids, their log-probs or None) on the host."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        if not self._with_logprobs:
+            return self._host.tolist(), None
+        both = self._host.tolist()
+        return [int(t) for t in both[0]], both[1]
+
+
+def sample(
     logits_BV: torch.Tensor,
     params: list[SamplingParams],
     seeds: list[int],
     positions: list[int],
     *,
     want_logprobs: bool,
-) -> tuple[list[int], list[float] | None]:
-    """One token per row. logits_BV: [B, V] on any device; params, seeds, positions: per row
-    (position = how many tokens the request has made). Returns (token ids, log p of each
-    token under softmax(logits) or None)."""
+) -> Sampled:
+    """One token per row, computed where the logits are; nothing waits for the device.
+    logits_BV: [B, V]; params, seeds, positions: per row (position = how many tokens the
+    request has made before this one). Log-probs (with want_logprobs) are of each token under
+    softmax(logits)."""
     B, V = logits_BV.shape
     dev = logits_BV.device
     logits = logits_BV.float()
@@ -80,10 +110,9 @@ def sample_batch(
         pick = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None]).clamp_(max=V - 1)
         tokens[idx] = pick[:, 0]
     if not want_logprobs:
-        return tokens.tolist(), None
+        return Sampled(tokens, None)
     lp = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
-    both = torch.stack([tokens.double(), lp.double()]).tolist()  # one copy to the host
-    return [int(t) for t in both[0]], both[1]
+    return Sampled(tokens, lp.double())
 
 
 def add_prompt_logprobs(req: Request, rows_TV, start: int, n: int) -> None:

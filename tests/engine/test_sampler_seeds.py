@@ -14,7 +14,7 @@ import torch
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.engine import Engine
 from k3batch.engine.request import SamplingParams
-from k3batch.engine.sampler import draw_seed, sample_batch
+from k3batch.engine.sampler import draw_seed, sample
 
 V, STEPS = 1000, 8
 
@@ -24,7 +24,7 @@ def _draws(seed, params=None) -> list[int]:
     them with probability about V**-STEPS."""
     params = params or SamplingParams(temperature=1.0)
     logits = torch.randn(1, V, generator=torch.Generator().manual_seed(0)) * 0.1
-    return [sample_batch(logits, [params], [seed], [i], want_logprobs=False)[0][0]
+    return [sample(logits, [params], [seed], [i], want_logprobs=False).result()[0][0]
             for i in range(STEPS)]
 
 
@@ -51,10 +51,10 @@ def test_sampler_row_independent_of_batch():
         for i in range(64)
     ]
     seeds, pos = list(range(100, 164)), [i % 7 for i in range(64)]
-    together, lp = sample_batch(logits, params, seeds, pos, want_logprobs=True)
+    together, lp = sample(logits, params, seeds, pos, want_logprobs=True).result()
     for i in range(64):
-        alone, lp1 = sample_batch(logits[i : i + 1], params[i : i + 1], seeds[i : i + 1],
-                                  pos[i : i + 1], want_logprobs=True)
+        alone, lp1 = sample(logits[i : i + 1], params[i : i + 1], seeds[i : i + 1],
+                            pos[i : i + 1], want_logprobs=True).result()
         assert alone == [together[i]] and lp1 == [lp[i]]
     ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(together)[:, None])[:, 0]
     assert torch.allclose(torch.tensor(lp, dtype=torch.float64), ref.double(), atol=1e-6)
@@ -82,8 +82,8 @@ def test_sampler_follows_the_distribution(params):
     expect = torch.where(keep, probs, 0.0)
     expect = expect / expect.sum()
     n = 6000
-    toks, _ = sample_batch(logits.expand(n, 6), [params] * n, list(range(n)), [0] * n,
-                           want_logprobs=False)
+    toks, _ = sample(logits.expand(n, 6), [params] * n, list(range(n)), [0] * n,
+                     want_logprobs=False).result()
     counts = torch.bincount(torch.tensor(toks), minlength=6).double()
     assert (counts[~keep] == 0).all(), "a filtered token was sampled"
     e = expect[keep] * n

@@ -41,8 +41,14 @@ def _fill(view, slots, g):
         view[s] = torch.randn(view.shape[1:], generator=g).to(view.dtype)
 
 
-@pytest.mark.parametrize("N,C", [(1, 8), (5, 200)], ids=["N1-C8", "N5-C200"])
-def test_conv_decode_kernel_matches_reference(N, C):
+@pytest.mark.parametrize(
+    "N,C,block_c,w_dtype",
+    [(1, 8, None, torch.float32), (5, 200, None, torch.float32), (5, 200, 64, torch.bfloat16)],
+    ids=["N1-C8", "N5-C200", "N5-C200-blocks64-bf16w"],
+)
+def test_conv_decode_kernel_matches_reference(N, C, block_c, w_dtype):
+    """Against the reference; with bf16 weights (read as they are: no fp32 copy per call) and
+    several channel blocks per sequence (block_c) too."""
     from k3kernels.kda.conv_decode import short_conv_decode_
 
     g = torch.Generator().manual_seed(N + C)
@@ -52,10 +58,10 @@ def test_conv_decode_kernel_matches_reference(N, C):
     _fill(conv, slots.tolist(), g)
     before = conv_buf.clone()
     x = torch.randn(N, C, generator=g)
-    w = torch.randn(C, W, generator=g) * 0.5
+    w = (torch.randn(C, W, generator=g) * 0.5).to(w_dtype)
     ref_pool = conv[:, 1].cpu().clone()  # the reference runs on the CPU
     y_ref = R.short_conv_decode_(x, w, ref_pool, slots)
-    y = short_conv_decode_(x.to(DEV), w.to(DEV), conv[:, 1], slots.to(DEV))
+    y = short_conv_decode_(x.to(DEV), w.to(DEV), conv[:, 1], slots.to(DEV), block_c)
     assert_close("conv_y", y_ref, y.cpu(), rel_rms=TOLERANCES[("conv_y", dtype)][0])
     assert torch.equal(conv[:, 1].cpu(), ref_pool), "conv state must be an exact shift"
     touched = torch.zeros(NB, dtype=torch.bool)
