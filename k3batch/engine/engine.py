@@ -42,7 +42,7 @@ from k3batch.model.forward_batch import ForwardBatch, to_device
 
 log = logging.getLogger(__name__)
 
-SCRATCH = "\0scratch"  # the decode group's padding rows (see `_submit_decode`)
+SCRATCH = "\0scratch"  # the decode group's padding rows (see `_decode`)
 
 
 class Engine:
@@ -199,7 +199,8 @@ class Engine:
         done, self._errors = self._errors, []
         for req in [r for r in self.running if r.phase is Phase.FINISHED]:
             self._drop(req)
-            done.append(self._result(req))
+            self._seeds.pop(req.request_id)
+            done.append(req.result())
         return done
 
     def _drop(self, req: Request) -> None:
@@ -254,7 +255,7 @@ class Engine:
         decoding = [
             r for r in self.running
             if r.phase is Phase.DECODE and pool.holds(r.request_id)
-            and not (r in pending and self._last_by_length(r))
+            and not (r in pending and r.last_by_length(self.config.max_seq_len))
         ]  # fmt: skip
         i = 0
         while i < len(decoding):  # decoding[i + 1:] may shrink from the end (retractions)
@@ -394,22 +395,15 @@ class Engine:
         """Requests whose token is in flight -> their row in that decode step."""
         return {r: i for i, r in enumerate(self._inflight[0])} if self._inflight else {}
 
-    def _last_by_length(self, req: Request) -> bool:
-        """Whether one more token ends `req` by length (max_new_tokens or max_seq_len)."""
-        p = req.sampling
-        return (len(req.output_token_ids) + 1 >= p.max_new_tokens
-                or req.num_tokens + 1 >= self.config.max_seq_len)  # fmt: skip
-
     def _decode(self, reqs: list[Request], runner, pool: CacheManager) -> None:
         """One decode step. A runner that `pads_decode` (a decode group; one device with CUDA
         graphs) gets the batch padded to a power of two (capped at max_num_seqs) with dummy
         rows in the scratch block and page, so decode steps take the few shapes that CUDA
         graphs were captured for; their logits are dropped.
-        Overlapped (`self.overlap`): a request whose last token is still in flight feeds it
-        from the device (`runner.submit(feed=...)`), and this step's tokens are sampled and
-        launched before the host takes the previous step's: the device always has the next
-        step queued while the host does its bookkeeping. A request that stops on a token of
-        the step in flight has computed one token more; it is dropped unread."""
+        Overlapped (`self.overlap`): a request whose last token is in flight feeds it from the
+        device (`runner.submit(feed=...)`), and this step is sampled before the host takes the
+        last one's tokens, so the device has a step queued while the host does bookkeeping. A
+        request stopping on a token in flight has computed one more, dropped unread."""
         pending = self._pending_rows()
         rids = [r.request_id for r in reqs]
         cached = [r.num_computed for r in reqs]
@@ -453,11 +447,13 @@ class Engine:
         """Append sampled tokens to their requests, but not to those finished, failed or
         retracted since the step was launched."""
         tokens, logprobs = sampled.result()
+        eos, max_len = self.eos_token_ids, self.config.max_seq_len
         for i, r in enumerate(reqs):  # the hot loop of a decode step: no context manager
             if r.phase is Phase.FINISHED or r.phase is Phase.WAITING:
                 continue
             try:
-                self._append_token(r, tokens[i], logprobs[i] if logprobs else None)
+                r.append_token(tokens[i], logprobs[i] if logprobs else None, eos_token_ids=eos,
+                               stop_check=self.stop_check, max_seq_len=max_len)  # fmt: skip
             except Exception as e:
                 self._fail_alone(r, e)
 
@@ -475,9 +471,7 @@ class Engine:
     def _sample_each(self, reqs: list[Request], logits_BV) -> None:
         for i, r in enumerate(reqs):
             with self._failing_alone(r):
-                sampled = self._draw([r], logits_BV[i : i + 1], [len(r.output_token_ids)])
-                (tok,), lp = sampled.result()
-                self._append_token(r, tok, lp[0] if lp else None)
+                self._take([r], self._draw([r], logits_BV[i : i + 1], [len(r.output_token_ids)]))
 
     def _draw(self, reqs: list[Request], logits_BV, positions: list[int]) -> Sampled:
         return sample(
@@ -486,34 +480,6 @@ class Engine:
             [self._seeds[r.request_id] for r in reqs],
             positions,
             want_logprobs=any(r.sampling.logprobs for r in reqs),
-        )
-
-    def _append_token(self, req: Request, tok: int, logprob: float | None) -> None:
-        p = req.sampling
-        req.output_token_ids.append(tok)
-        if p.logprobs:
-            req.output_logprobs.append(logprob)
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-        if tok in stops or (p.stop and self.stop_check(p.stop, req.output_token_ids)):
-            req.finish_reason = "stop"
-        elif len(req.output_token_ids) >= p.max_new_tokens or (
-            req.num_tokens >= self.config.max_seq_len
-        ):
-            req.finish_reason = "length"
-        if req.finish_reason:
-            req.phase = Phase.FINISHED
-
-    def _result(self, req: Request) -> GenerationResult:
-        self._seeds.pop(req.request_id)
-        p = req.sampling
-        return GenerationResult(
-            req.request_id,
-            req.prompt_token_ids,
-            req.output_token_ids,
-            req.finish_reason,
-            output_logprobs=req.output_logprobs if p.logprobs else None,
-            prompt_logprobs=req.prompt_logprobs if p.prompt_logprobs else None,
-            prompt_greedy=req.prompt_greedy if p.prompt_logprobs else None,
         )
 
     # ---- convenience ----------------------------------------------------------------------

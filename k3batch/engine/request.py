@@ -135,6 +135,39 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def append_token(self, tok: int, logprob: float | None, *, eos_token_ids, stop_check,
+                     max_seq_len: int) -> None:  # fmt: skip
+        """Add a sampled token; finish ("stop" or "length") when it ends the request.
+        stop_check(stop strings, output ids) -> bool: whether the text holds one of them."""
+        p = self.sampling
+        self.output_token_ids.append(tok)
+        if p.logprobs:
+            self.output_logprobs.append(logprob)
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        if tok in stops or (p.stop and stop_check(p.stop, self.output_token_ids)):
+            self.finish_reason = "stop"
+        elif len(self.output_token_ids) >= p.max_new_tokens or self.num_tokens >= max_seq_len:
+            self.finish_reason = "length"
+        if self.finish_reason:
+            self.phase = Phase.FINISHED
+
+    def last_by_length(self, max_seq_len: int) -> bool:
+        """Whether one more token ends this request by length (max_new_tokens or max_seq_len)."""
+        return (len(self.output_token_ids) + 1 >= self.sampling.max_new_tokens
+                or self.num_tokens + 1 >= max_seq_len)  # fmt: skip
+
+    def result(self) -> "GenerationResult":
+        p = self.sampling
+        return GenerationResult(
+            self.request_id,
+            self.prompt_token_ids,
+            self.output_token_ids,
+            self.finish_reason,
+            output_logprobs=self.output_logprobs if p.logprobs else None,
+            prompt_logprobs=self.prompt_logprobs if p.prompt_logprobs else None,
+            prompt_greedy=self.prompt_greedy if p.prompt_logprobs else None,
+        )
+
     def restart(self) -> None:
         """Drop all progress (a retracted request runs again from its prompt)."""
         self.phase, self.num_computed, self.finish_reason = Phase.WAITING, 0, None
