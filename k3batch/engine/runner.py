@@ -65,7 +65,7 @@ def sized(config: EngineConfig, *, cuda: bool, seqs_fit: int | None = None) -> E
                                max_batch_tokens=config.batch_tokens(cuda))  # fmt: skip
 
 
-WARM_TAIL = 37  # tokens of the warm-up's continuation chunk: odd, and after a cached prefix
+WARM_TAIL = 37  # tokens of each warm-up continuation chunk: odd, after a cached prefix
 
 
 def measure_workspace(model, config: EngineConfig, layout: CacheLayout) -> int:
@@ -73,10 +73,14 @@ def measure_workspace(model, config: EngineConfig, layout: CacheLayout) -> int:
     forward of max_batch_tokens tokens (requests of chunk_size tokens, the shape the engine
     plans) on a scratch cache, measured by the CUDA allocator's peak. It runs before the
     arena exists. It is also the prefill's warm-up: Triton compiles a kernel again for integer
-    arguments that are not multiples of 16 and for a chunk with a cached prefix, so a second
-    forward continues the first request by WARM_TAIL tokens; with the decode graphs' capture,
-    a job's steps then compile nothing (compiled kernels and fla's tuning results persist in
-    Triton's cache directory, so a restarted replica compiles nothing either)."""
+    arguments that are not multiples of 16 or equal to 1, and for chunks with a cached prefix,
+    so the first forward's requests then continue by WARM_TAIL tokens: all but the first
+    together (the steady state of a long prompt's chunks: many sequences, cached prefixes),
+    then the first alone. With the decode graphs' capture, a job's steps then compile nothing
+    (one H200, k3-slice, 1,024 prompts of 1,024 tokens with only the lone continuation: the
+    first run's prefill steps took 76 s, 24.6 s once Triton's cache held them). Compiled
+    kernels and fla's tuning results persist in Triton's cache directory, so a restarted
+    replica compiles nothing either."""
     dev, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     tokens, chunk = config.batch_tokens(True), config.chunk_size
     lens = [chunk] * (tokens // chunk) + ([tokens % chunk] if tokens % chunk else [])
@@ -86,13 +90,14 @@ def measure_workspace(model, config: EngineConfig, layout: CacheLayout) -> int:
     tables = [list(range(i * per, (i + 1) * per)) for i in range(n)]
     first = ForwardBatch(seq_lens=lens, cached_lens=[0] * n, slot_ids=list(range(n)),
                          page_tables=tables)  # fmt: skip
-    tail = ForwardBatch(seq_lens=[WARM_TAIL], cached_lens=[lens[0]], slot_ids=[0],
-                        page_tables=tables[:1])  # fmt: skip
+    tails = [ForwardBatch(seq_lens=[WARM_TAIL] * len(rows), cached_lens=[lens[i] for i in rows],
+                          slot_ids=rows, page_tables=[tables[i] for i in rows])
+             for rows in (list(range(1, n)), [0]) if rows]  # fmt: skip
     torch.cuda.synchronize(dev)
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     with torch.inference_mode():
-        for batch in (first, tail):
+        for batch in (first, *tails):
             ids = torch.zeros(batch.num_tokens, dtype=torch.long, device=dev)
             model.forward_batch(ids, batch, scratch)
     torch.cuda.synchronize(dev)
