@@ -5,7 +5,7 @@ prefill and decode speed, prefill MFU, peak memory and (with --profile) the top 
 
 MFU counts useful FLOPs as 2 x active parameters per token (every projection, the top-k routed
 experts and the shared experts, the LM head; not the embedding lookup, not the attention
-scores), over PEAK_BF16_TFLOPS (bf16 GEMM measured on the H200): k3-slice has 6.78 B active
+scores), over BF16_TFLOPS (bf16 GEMM measured on the H200): k3-slice has 6.78 B active
 parameters, so 100% is about 57k tokens/s.
 
 Teaching model: n equal chunks through P stages take n + P - 1 chunk-times, in which each stage
@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from k3batch.bench_moe import PEAK_BF16_TFLOPS
 from k3batch.engine.config import EngineConfig
 from k3batch.model.forward_batch import ForwardBatch
+from k3batch.roofline import BF16_TFLOPS
 
 
 def teaching_fill(num_chunks: int, num_stages: int) -> float:
@@ -149,8 +149,8 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
     """Single-device engine speed on random weights made on the device, or on the checkpoint at
     `model_dir` (its own flavor; experts as stored unless expert_dtype says otherwise):
     prefill tokens/s over `batch` prompts (median of PREFILL_REPEATS), then decode tokens/s
-    with all of them running, and the decode step beside its roofline (bytes it must read over
-    the H200's copy bandwidth).
+    with all of them running, and the decode step beside its roofline (`k3batch.roofline`: each
+    part's bytes at the H200's copy bandwidth or its FLOPs at the bf16 peak).
     With `profile`, one more prefill and then its first PROFILED_DECODE_STEPS decode steps
     run under the torch profiler, and the row gets "profile" and "decode_profile": the top
     ops by self GPU time (CPU time without CUDA). moe_gemm: the bf16 routed experts' grouped
@@ -244,7 +244,7 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
     flops_per_token = 2 * active_params(model.config)
 
     def mfu(tps):
-        return round(100 * tps * flops_per_token / 1e12 / PEAK_BF16_TFLOPS, 1)
+        return round(100 * tps * flops_per_token / 1e12 / BF16_TFLOPS, 1)
 
     tps = {impl: batch * prompt_len / statistics.median(t) for impl, t in times.items()}
     prefill_tps = tps[gemms[0]]
@@ -262,7 +262,8 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
         "decode_step_ms": round(step_ms, 2),
         "decode_floor_ms": round(floor.floor_ms(), 3),
         "decode_roofline_x": round(step_ms / floor.floor_ms(), 2),
-        "decode_bytes": {k: getattr(floor, k) for k in ("dense", "experts", "kda", "mla")},
+        "decode_floor_parts_ms": {k: round(v, 3) for k, v in floor.ms().items()},
+        "decode_bytes": floor.bytes, "decode_flops": floor.flops,
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
         "model": model_dir, "expert_dtype": _expert_dtype(model), "moe_gemm": moe_gemm,
         "weights_gib": round(sum(p.nbytes for p in model.parameters()) / 2**30, 1),
@@ -283,7 +284,7 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
 def _decode_floor(engine, model, prefill, decode, context_lens):
     """The roofline of the measured decode steps (`k3batch.roofline`): one more prefill, its
     first decode step under a route counter (the experts a step selects), then the rest."""
-    from k3batch.roofline import RouteCounter, decode_bytes
+    from k3batch.roofline import RouteCounter, decode_floor
 
     prefill()
     engine.runner.eager = True  # graph replays run no module hooks
@@ -291,7 +292,7 @@ def _decode_floor(engine, model, prefill, decode, context_lens):
         engine.step()
     engine.runner.eager = False
     decode()
-    return decode_bytes(model, context_lens=context_lens, experts_selected=rc.selected)
+    return decode_floor(model, context_lens=context_lens, experts_selected=rc.selected)
 
 
 PROFILED_DECODE_STEPS = 8

@@ -21,8 +21,7 @@ import statistics
 
 import torch
 
-COPY_TBPS = 4.26  # H200, measured copy bandwidth (issue 13)
-BF16_TFLOPS = 777.0  # H200, measured bf16 GEMM (issue 12)
+from k3batch.roofline import BF16_TFLOPS, COPY_TBPS
 
 
 def _median_ms(fn) -> float:

@@ -112,7 +112,8 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, prof
     click.echo(json.dumps({k: v for k, v in row.items() if "profile" not in k}))
     click.echo(
         f"decode step {row['decode_step_ms']} ms; roofline {row['decode_floor_ms']} ms "
-        f"({row['decode_roofline_x']}x) = {row['decode_bytes']} bytes at 4.26 TB/s"
+        f"({row['decode_roofline_x']}x) = {row['decode_floor_parts_ms']} ms: each part's bytes "
+        "at 4.26 TB/s or FLOPs at 777 TFLOP/s, whichever takes longer"
     )
     _append_jsonl(json_path, [row])
 

@@ -1,47 +1,62 @@
-"""Decode roofline: the fewest bytes one decode step must move through device memory, and the
-time that takes at a measured copy bandwidth.
+"""Rooflines: the least time a piece of work needs on one H200, its FLOPs at the bf16 GEMM peak
+or its bytes at the copy bandwidth, whichever is longer (`roofline_ms`); and the decode step's,
+component by component (`decode_floor`).
 
-A step of B sequences must read every weight outside the routed experts once (attention,
-dense FFN, shared experts, routers, norms, AttnRes, the LM head; of the embedding only B rows),
-each routed expert that some token of the step selected once (however many tokens chose it),
-each sequence's KDA recurrent state (fp32) and conv states twice (read, then written back), and
-each sequence's MLA latents (every cached token, plus the new one written). Everything else (the
-activations, the logits) is small beside these and left out: the floor is a lower bound.
+A decode step of B sequences must read every weight outside the routed experts once
+(attention, dense FFN, shared experts, routers, norms, AttnRes, the LM head; of the embedding
+only B rows), each routed expert that some token of the step selected once (however many
+tokens chose it), each sequence's KDA recurrent state (fp32) and conv states twice (read, then
+written back), and each sequence's MLA latents (every cached token, plus the new one written).
+Its FLOPs: 2 B per weight outside the routed experts and the embedding, 2 B k per weight of
+one expert per MoE layer (top-k), and the absorbed MLA's scores and values over each
+sequence's cached tokens (2 (576 + 512) per token and head at K3's widths). The KDA recurrence
+does a few FLOPs per byte of state, far under the ridge, so it counts as bytes alone. Each
+component's floor is the longer of its two times, and the step's is their sum (the components
+run one after another). At a few sequences every component is bound by its bytes; at 256 the
+dense weights are bound by their FLOPs (2 x 256 FLOPs per 2-byte weight, above the ridge of
+777 / 4.26 = 182). Everything else (the activations, the logits, the small ops) is left out:
+the floor is a lower bound.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-COPY_TBPS_H200 = 4.26  # device-to-device copy measured on the H200 (bytes read + written)
+COPY_TBPS = 4.26  # device-to-device copy measured on the H200 (bytes read + written)
+BF16_TFLOPS = 777.0  # dense bf16 GEMM measured on the H200
+
+COMPONENTS = ("dense", "experts", "kda", "mla")
+
+
+def roofline_ms(flops: float, nbytes: float) -> float:
+    """The longer of the FLOPs at the bf16 peak and the bytes at the copy bandwidth."""
+    return max(flops / BF16_TFLOPS / 1e9, nbytes / COPY_TBPS / 1e9)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class DecodeBytes:
-    dense: int  # weights outside the routed experts (embedding: B rows)
-    experts: int  # the routed experts selected in the step
-    kda: int  # KDA states and conv states, read and written
-    mla: int  # MLA latents read, plus the new tokens written
+class DecodeFloor:
+    bytes: dict[str, int]  # component -> bytes the step must move
+    flops: dict[str, int]  # component -> FLOPs it must do (0 for the KDA states)
 
-    @property
-    def total(self) -> int:
-        return self.dense + self.experts + self.kda + self.mla
+    def ms(self) -> dict[str, float]:
+        return {c: roofline_ms(self.flops[c], self.bytes[c]) for c in COMPONENTS}
 
-    def floor_ms(self, tbps: float = COPY_TBPS_H200) -> float:
-        return self.total / (tbps * 1e12) * 1e3
+    def floor_ms(self) -> float:
+        return sum(self.ms().values())
 
 
 def _is_routed(name: str) -> bool:
     return ".block_sparse_moe.experts." in name
 
 
-def decode_bytes(model, *, context_lens: list[int], experts_selected: dict[int, int]) -> DecodeBytes:
-    """Bytes of one decode step of `model` (a K3Model, any device, meta included) over
+def decode_floor(model, *, context_lens: list[int],
+                 experts_selected: dict[int, int]) -> DecodeFloor:  # fmt: skip
+    """Bytes and FLOPs of one decode step of `model` (a K3Model, any device, meta included) over
     sequences with `context_lens` tokens already cached; experts_selected: MoE layer index ->
     number of distinct routed experts the step's tokens chose there."""
     cfg = model.config
     B = len(context_lens)
-    dense = experts_per_layer = 0
+    dense = dense_params = 0
     routed: dict[int, int] = {}
     for name, p in model.named_parameters():
         nbytes = p.numel() * p.element_size()
@@ -52,15 +67,22 @@ def decode_bytes(model, *, context_lens: list[int], experts_selected: dict[int, 
             dense += B * p.shape[1] * p.element_size()
         else:
             dense += nbytes
-    for layer, nbytes in routed.items():
-        experts_per_layer += experts_selected.get(layer, 0) * nbytes // cfg.num_experts
+            dense_params += p.numel()
+    E, k, I = cfg.num_experts, cfg.num_experts_per_token, cfg.moe_intermediate_size
+    experts = sum(experts_selected.get(layer, 0) * n // E for layer, n in routed.items())
+    D = cfg.routed_expert_hidden_size or cfg.hidden_size
+    expert_flops = len(routed) * 2 * B * k * 3 * D * I
     act_bytes = next(model.parameters()).element_size()
     C, W = cfg.kda_proj_size, cfg.short_conv_kernel_size
     per_kda = cfg.kda_num_heads * cfg.kda_head_dim**2 * 4 + 3 * C * (W - 1) * act_bytes
     kda = 2 * B * per_kda * len(cfg.kda_layer_ids)
-    token = cfg.mla_latent_size * act_bytes
-    mla = sum(n + 1 for n in context_lens) * token * len(cfg.mla_layer_ids)
-    return DecodeBytes(dense=dense, experts=experts_per_layer, kda=kda, mla=mla)
+    tokens = sum(n + 1 for n in context_lens) * len(cfg.mla_layer_ids)
+    mla_flops = tokens * cfg.num_attention_heads * 2 * (cfg.mla_latent_size + cfg.kv_lora_rank)
+    return DecodeFloor(
+        bytes={"dense": dense, "experts": experts, "kda": kda,
+               "mla": tokens * cfg.mla_latent_size * act_bytes},
+        flops={"dense": 2 * B * dense_params, "experts": expert_flops, "kda": 0, "mla": mla_flops},
+    )  # fmt: skip
 
 
 class RouteCounter:

@@ -1,11 +1,11 @@
 """The decode roofline's byte count on the full K3 shape (meta device) against the spec's
-figures (sections 8 and 9), and the route counter on k3-debug."""
+figures (sections 8 and 9), its FLOPs and where they bind, and the route counter on k3-debug."""
 
 import torch
 
 from k3batch.model import K3Model, get_flavor
 from k3batch.model.forward_batch import ForwardBatch
-from k3batch.roofline import RouteCounter, decode_bytes
+from k3batch.roofline import BF16_TFLOPS, COPY_TBPS, RouteCounter, decode_floor, roofline_ms
 
 
 def _k3():
@@ -17,24 +17,46 @@ def test_decode_bytes_match_the_spec_on_k3():
     model = _k3()
     cfg = model.config
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
-    one = decode_bytes(model, context_lens=[1000], experts_selected={})
+    one = decode_floor(model, context_lens=[1000], experts_selected={})
     # KDA: 54,263,808 B of state and 1,907,712 B of conv per request per TP8 rank (spec 8),
     # read and written.
-    assert one.kda == 2 * 8 * (54_263_808 + 1_907_712)
+    assert one.bytes['kda'] == 2 * 8 * (54_263_808 + 1_907_712)
     # MLA: 27,648 B per token (spec 8), 1000 cached tokens plus the new one.
-    assert one.mla == 1001 * 27_648
-    assert one.experts == 0
+    assert one.bytes['mla'] == 1001 * 27_648
+    assert one.bytes['experts'] == 0
     # Every expert selected, every embedding row read: all the weights, once.
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     V, D = cfg.vocab_size, cfg.hidden_size
-    everything = decode_bytes(
+    everything = decode_floor(
         model, context_lens=[0] * V, experts_selected={i: cfg.num_experts for i in moe_layers}
     )
-    assert everything.dense + everything.experts == total
+    assert everything.bytes['dense'] + everything.bytes['experts'] == total
     # 16 of 896 experts in each of the 92 MoE layers: 16/896 of the routed bytes.
-    sparse = decode_bytes(model, context_lens=[0], experts_selected={i: 16 for i in moe_layers})
-    assert sparse.experts == everything.experts * 16 // 896
-    assert one.dense == everything.dense - (V - 1) * D * 2
+    sparse = decode_floor(model, context_lens=[0], experts_selected={i: 16 for i in moe_layers})
+    assert sparse.bytes['experts'] == everything.bytes['experts'] * 16 // 896
+    assert one.bytes['dense'] == everything.bytes['dense'] - (V - 1) * D * 2
+
+
+def test_decode_flops_and_where_they_bind():
+    """FLOPs: 2 per weight and sequence outside the routed experts and the embedding, 2 per
+    weight of k experts per slot, the absorbed MLA's 2 (576 + 512) per cached token and head.
+    On k3-slice one sequence is bound by bytes everywhere; 256 are bound by the dense FLOPs."""
+    with torch.device("meta"):
+        model = K3Model(get_flavor("k3-slice"), dtype=torch.bfloat16)
+    cfg = model.config
+    params = sum(p.numel() for n, p in model.named_parameters()
+                 if ".experts." not in n and n != "model.embed_tokens.weight")  # fmt: skip
+    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    one = decode_floor(model, context_lens=[1023], experts_selected=dict.fromkeys(moe, 2))
+    assert one.flops["dense"] == 2 * params and one.flops["kda"] == 0
+    assert one.flops["experts"] == 7 * 2 * 2 * 3 * 3584 * 3072
+    assert one.flops["mla"] == 2 * 1024 * cfg.num_attention_heads * 2 * (576 + 512)
+    assert one.ms() == {c: one.bytes[c] / COPY_TBPS / 1e9 for c in one.bytes}
+    many = decode_floor(model, context_lens=[1023] * 256, experts_selected=dict.fromkeys(moe, 112))
+    assert many.ms()["dense"] == many.flops["dense"] / BF16_TFLOPS / 1e9
+    assert many.ms()["kda"] == many.bytes["kda"] / COPY_TBPS / 1e9
+    assert many.floor_ms() == sum(many.ms().values()) > sum(many.bytes.values()) / COPY_TBPS / 1e9
+    assert roofline_ms(1e12, 0) == 1000 / BF16_TFLOPS
 
 
 def test_route_counter_counts_distinct_experts(model_factory):
@@ -55,7 +77,6 @@ def test_moe_roofline_is_bytes_at_k3_slice_prefill():
     the 51.8 GB of bf16 experts at the copy bandwidth (12.2 ms) outlast the 7.58 TFLOP at the
     bf16 peak (9.8 ms), so 60% of that peak is 75% of the roofline; at 64 tokens the bytes
     alone count."""
-    from k3batch.bench_moe import PEAK_BF16_TFLOPS, roofline_ms
 
     cfg = get_flavor("k3-slice")
     D, I, E = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, cfg.num_experts
@@ -63,6 +84,6 @@ def test_moe_roofline_is_bytes_at_k3_slice_prefill():
     flops, weights = layers * 2 * 8192 * k * 3 * D * I, layers * E * 3 * D * I * 2
     floor = roofline_ms(flops, weights)
     assert round(weights / 1e9, 1) == 51.8 and round(floor, 1) == 12.2
-    assert round(flops / PEAK_BF16_TFLOPS / 1e9, 1) == 9.8
-    assert round(floor / (flops / (0.6 * PEAK_BF16_TFLOPS) / 1e9), 2) == 0.75
+    assert round(flops / BF16_TFLOPS / 1e9, 1) == 9.8
+    assert round(floor / (flops / (0.6 * BF16_TFLOPS) / 1e9), 2) == 0.75
     assert roofline_ms(flops / 128, weights) == floor
