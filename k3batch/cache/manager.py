@@ -168,7 +168,7 @@ class CacheManager:
             return True
         if not self._make_room(1, 0):
             return False
-        node.checkpoint = self._alloc_block()
+        self.tree.set_checkpoint(node, self._alloc_block())
         src, dst = self.arena.block_idx[own.block], self.arena.block_idx[node.checkpoint]
         self._moves.append(Move("block", src, dst))
         self.stats.checkpoints_saved += 1

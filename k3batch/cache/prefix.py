@@ -10,31 +10,41 @@ checkpoint after it is saved.
 
 Protocol: `match` finds the deepest usable checkpoint; the caller `lock`s the node whose pages
 a request reads (and `unlock`s it when the request is done), and `insert`s a request's pages
-before saving a checkpoint at the returned node. The pages of locked nodes and their ancestors
+before `set_checkpoint` at the returned node. The pages of locked nodes and their ancestors
 are never evicted. `evict_lru` removes the least recently used entry and returns its page and
 block handles for the caller to release; the caller holds the reference counts.
+
+Eviction candidates are the unlocked leaves and every node with a checkpoint. They sit in a
+heap keyed by (last use, deepest first): a path touched by one call shares its time, and its
+leaf goes before the checkpoints above it. An entry is pushed whenever a node becomes a
+candidate or is touched as one, and checked when popped (a stale time, a node gone or no
+longer a candidate: dropped, since a node pushes again when it turns back into one). So an
+eviction costs O(log n) amortized, not a walk of the tree (which a job's full cache did on
+every checkpoint it saved); the heap is rebuilt from the tree when stale entries outnumber
+the nodes 4 to 1.
 """
 
+import heapq
 import itertools
 
 
 class Node:
-    __slots__ = ("checkpoint", "children", "key", "last_use", "lock_ref", "pages", "parent")
+    __slots__ = ("alive", "checkpoint", "children", "end", "key", "last_use", "lock_ref", "pages",
+                 "parent")  # fmt: skip
 
     def __init__(self, parent, key: tuple, pages: list[int]):
         self.parent, self.key, self.pages = parent, key, pages
+        self.end = len(key) + (parent.end if parent is not None else 0)  # tokens from the root
         self.children: dict[tuple, Node] = {}
         self.checkpoint: int | None = None  # KDA block handle at the end of this node
         self.lock_ref = 0
         self.last_use = 0
+        self.alive = True  # False once evicted
 
     @property
-    def end(self) -> int:
-        """Tokens from the root to the end of this node."""
-        n, node = 0, self
-        while node is not None:
-            n, node = n + len(node.key), node.parent
-        return n
+    def candidate(self) -> bool:
+        """Evictable now: an unlocked leaf (whole) or a checkpoint (alone)."""
+        return self.checkpoint is not None or (not self.children and self.lock_ref == 0)
 
 
 class RadixCache:
@@ -43,6 +53,21 @@ class RadixCache:
         self.root = Node(None, (), [])
         self.root.lock_ref = 1  # never evicted
         self._clock = itertools.count(1)
+        self._pushes = itertools.count()  # ties of one node's entries never compare nodes
+        self._heap: list[tuple[int, int, int, Node]] = []  # (last_use, -end, push, node)
+        self._num_nodes = 1
+
+    def _touch(self, node: Node, now: int) -> None:
+        node.last_use = now
+        if node.candidate:
+            self._push(node)
+
+    def _push(self, node: Node) -> None:
+        heapq.heappush(self._heap, (node.last_use, -node.end, next(self._pushes), node))
+        if len(self._heap) > 4 * self._num_nodes + 64:
+            self._heap = [(n.last_use, -n.end, next(self._pushes), n)
+                          for n in self.nodes() if n.candidate]  # fmt: skip
+            heapq.heapify(self._heap)
 
     def _child_key(self, tokens, at: int) -> tuple:
         return tuple(tokens[at : at + self.page_size])
@@ -60,7 +85,7 @@ class RadixCache:
                 break
             node, at = child, at + len(child.key)
             pages = pages + node.pages
-            node.last_use = now
+            self._touch(node, now)
             if node.checkpoint is not None and at in points:
                 best = (at, pages, node)
         return best
@@ -78,9 +103,10 @@ class RadixCache:
             if child is None:
                 new = Node(node, tuple(tokens[at:]), list(pages[at // ps :]))
                 node.children[self._child_key(tokens, at)] = new
+                self._num_nodes += 1
                 taken += new.pages
                 node, at = new, len(tokens)
-                node.last_use = now
+                self._touch(node, now)
                 break
             same = 0  # whole pages in common with the child's key
             while (
@@ -92,7 +118,7 @@ class RadixCache:
             if same < len(child.key):
                 child = self._split(child, same)
             node, at = child, at + same
-            node.last_use = now
+            self._touch(node, now)
         return node, taken
 
     def _split(self, node: Node, num_tokens: int) -> Node:
@@ -100,6 +126,7 @@ class RadixCache:
         ps, parent = self.page_size, node.parent
         upper = Node(parent, node.key[:num_tokens], node.pages[: num_tokens // ps])
         upper.lock_ref, upper.last_use = node.lock_ref, node.last_use
+        self._num_nodes += 1  # an inner node without a checkpoint: not a candidate
         parent.children[node.key[:ps]] = upper
         node.parent, node.key = upper, node.key[num_tokens:]
         node.pages = node.pages[num_tokens // ps :]
@@ -112,10 +139,18 @@ class RadixCache:
             node = node.parent
 
     def unlock(self, node: Node) -> None:
+        if node.lock_ref == 1 and not node.children:
+            self._push(node)  # an unlocked leaf from now on (its ancestors have children)
         while node is not None:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "unlock without lock"
             node = node.parent
+
+    def set_checkpoint(self, node: Node, handle: int) -> None:
+        """Make `handle` (a KDA block) the checkpoint at the end of `node`."""
+        assert node.checkpoint is None and node is not self.root
+        node.checkpoint = handle
+        self._push(node)
 
     def nodes(self) -> list[Node]:
         out, stack = [], [self.root]
@@ -130,16 +165,21 @@ class RadixCache:
         anywhere, a checkpoint alone (a hit's copy is queued when it is made, so a checkpoint
         is never in use after that). Returns (page handles, checkpoint handle or None) for the
         caller to release, or None when nothing can be evicted."""
-        nodes = self.nodes()
-        leaves = [n for n in nodes if not n.children and n.lock_ref == 0]
-        saved = [n for n in nodes if n.checkpoint is not None]
-        if not leaves and not saved:
+        while self._heap:
+            last_use, _, _, victim = heapq.heappop(self._heap)
+            if victim.alive and victim.last_use == last_use and victim.candidate:
+                break
+        else:
             return None
-        victim = min(leaves + saved, key=lambda n: n.last_use)
         checkpoint, victim.checkpoint = victim.checkpoint, None
         if victim.children or victim.lock_ref:
             return [], checkpoint
-        del victim.parent.children[victim.key[: self.page_size]]
+        parent = victim.parent
+        del parent.children[victim.key[: self.page_size]]
+        victim.alive = False
+        self._num_nodes -= 1
+        if parent.candidate and parent is not self.root:
+            self._push(parent)  # its last child gone: an unlocked leaf now
         return victim.pages, checkpoint
 
     def check_integrity(self) -> None:
