@@ -149,6 +149,28 @@ def bench_moe(flavor, tokens, layers, repeats, expert_dtype, sweep, save_tuned, 
     _append_jsonl(json_path, rows)
 
 
+@bench.command("host")
+@click.option("--flavor", default="k3-slice", show_default=True)
+@click.option("--num-prompts", default=1024, show_default=True, type=int)
+@click.option("--input-len", default=1024, show_default=True, type=int)
+@click.option("--output-len", default=256, show_default=True, type=int)
+@click.option("--arena-gib", default=88.5, show_default=True, type=float,
+              help="The device arena to account for (k3-slice on one H200: 88.5 GiB).")
+@click.option("--profile", is_flag=True, help="Also print the top functions (cProfile).")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def bench_host(flavor, num_prompts, input_len, output_len, arena_gib, profile, json_path):
+    """The engine's host time per prefill and decode step of a job's schedule, with a runner
+    that computes nothing (no device needed)."""
+    from k3batch.bench_host import host_replay
+
+    row = host_replay(flavor, num_prompts=num_prompts, input_len=input_len,
+                      output_len=output_len, arena_gib=arena_gib, profile=profile)  # fmt: skip
+    if profile:
+        click.echo(row.pop("profile"))
+    click.echo(json.dumps(row))
+    _append_jsonl(json_path, [row])
+
+
 @bench.command("job")
 @click.option("--flavor", default="k3-slice", show_default=True)
 @click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),

@@ -1,0 +1,97 @@
+"""`k3batch bench host`: the engine's host side alone. The job's schedule (prompts of one
+length, greedy, a fixed number of new tokens) runs through a real `Engine` whose runner
+computes nothing: it keeps the accounting of a device arena of the given size (admission,
+prefix cache and checkpoints, eviction, page tables, the overlapped decode's bookkeeping) and
+returns zero logits. The time per step is what the host adds to each step; the device hides
+it while the host's part is the shorter (the overlapped decode; prefill steps queued ahead),
+and bounds the step when it is not. Zero logits of a small vocabulary (`vocab_size`) keep the
+CPU's sampling out of the figures. With `profile`, the top functions by cumulative time
+(cProfile, which slows the host ~2x)."""
+
+import cProfile
+import dataclasses
+import io
+import pstats
+import time
+
+import torch
+
+from k3batch.cache.arena import ArenaSpec
+from k3batch.cache.layout import CacheLayout
+from k3batch.engine.config import EngineConfig
+from k3batch.engine.engine import Engine
+from k3batch.engine.request import Phase, SamplingParams
+from k3batch.engine.runner import sized
+from k3batch.model import get_flavor
+
+
+class HostOnlyRunner:
+    """A single-device runner (CUDA graphs' padded decode, fed tokens) that computes nothing."""
+
+    depth, dcp_size, feeds_tokens, pads_decode = 1, 1, True, True
+
+    def __init__(self, model_config, engine_config: EngineConfig, arena_bytes: int):
+        self.config = model_config
+        layers = range(model_config.num_hidden_layers)
+        self.layout = CacheLayout.build(model_config, layers, page_size=engine_config.page_size,
+                                        dtype_bytes=2)  # fmt: skip
+        fit = arena_bytes // self.layout.request_bytes(engine_config.max_seq_len)
+        self.engine_config = sized(engine_config, cuda=True, seqs_fit=fit)
+        self.arena_bytes = arena_bytes
+
+    def cache_specs(self):
+        return [ArenaSpec(total_bytes=self.arena_bytes // 256 * 256,
+                          block_bytes=self.layout.block_bytes,
+                          page_bytes=self.layout.page_bytes)]  # fmt: skip
+
+    def apply(self, moves):
+        pass
+
+    def submit(self, ids, batch, all_logits, feed=None):
+        return torch.zeros(len(batch.seq_lens), self.config.vocab_size)
+
+    def wait(self, handle):
+        return handle
+
+
+def host_replay(flavor: str = "k3-slice", *, num_prompts: int, input_len: int, output_len: int,
+                arena_gib: float, vocab_size: int = 4096, seed: int = 0,
+                profile: bool = False) -> dict:  # fmt: skip
+    """Host milliseconds per prefill and per decode step of the schedule (see module doc)."""
+    config = dataclasses.replace(get_flavor(flavor), vocab_size=vocab_size)
+    engine_config = EngineConfig(max_seq_len=input_len + output_len + 1)
+    runner = HostOnlyRunner(config, engine_config, int(arena_gib * 2**30))
+    engine = Engine(None, runner=runner)
+    gen = torch.Generator().manual_seed(seed)
+    sampling = SamplingParams(temperature=0, max_new_tokens=output_len, ignore_eos=True)
+    for i in range(num_prompts):
+        prompt = torch.randint(1, vocab_size, (input_len,), generator=gen).tolist()
+        engine.add_request(str(i), prompt, sampling)
+    spent = {"prefill": [0.0, 0], "decode": [0.0, 0]}
+    prof = cProfile.Profile() if profile else None
+    t0 = time.perf_counter()
+    if prof:
+        prof.enable()
+    while engine.has_unfinished():
+        prefill = any(r.phase is Phase.PREFILL for r in engine.running) or bool(
+            engine.waiting and len(engine.running) < engine.config.max_num_seqs)
+        t = time.perf_counter()
+        engine.step()
+        kind = spent["prefill" if prefill else "decode"]
+        kind[0] += time.perf_counter() - t
+        kind[1] += 1
+    if prof:
+        prof.disable()
+    row = {"flavor": flavor, "num_prompts": num_prompts, "input_len": input_len,
+           "output_len": output_len, "arena_gib": arena_gib,
+           "max_num_seqs": engine.config.max_num_seqs, "profiled": profile,
+           "total_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
+    for kind, (seconds, steps) in spent.items():
+        row[f"{kind}_steps"] = steps
+        row[f"{kind}_host_ms_per_step"] = round(1000 * seconds / max(steps, 1), 2)
+    row["cache"] = dataclasses.asdict(engine.pool.stats)
+    if prof:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
+        row["profile"] = out.getvalue()
+    return row
