@@ -27,6 +27,7 @@ class _Owned:
     block: int
     pages: list[int]
     node: Node | None = None  # the prefix node this request keeps locked
+    rows: list[int] | None = None  # the pages' arena indices (`pages_of`); None: to recompute
 
 
 @dataclass
@@ -64,6 +65,7 @@ class CacheManager:
         self._handles = itertools.count()
         self._page_refs: dict[int, int] = {}
         self._owned: dict[str, _Owned] = {}
+        self._holders: dict[int, set[str]] = {}  # page handle -> requests holding it
 
     # ---- what the arenas and forwards need ---------------------------------------------------
     def drain(self) -> list[Move]:
@@ -75,7 +77,14 @@ class CacheManager:
         return self.arena.block_idx[self._owned[rid].block]
 
     def pages_of(self, rid: str) -> list[int]:
-        return [self.arena.page_idx[h] for h in self._owned[rid].pages]
+        """`rid`'s page indices, in token order (the caller must not change the list). Kept
+        between calls: a decode step asks for every running request's, and recomputing them
+        cost O(pages) each; a request's list is extended when it grows and recomputed only
+        after the arena moved one of its pages (a free elsewhere packing the arena)."""
+        own = self._owned[rid]
+        if own.rows is None:
+            own.rows = [self.arena.page_idx[h] for h in own.pages]
+        return own.rows
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages that hold num_tokens tokens of a sequence (its stripe, under DCP)."""
@@ -122,7 +131,9 @@ class CacheManager:
             self._moves.append(Move("block", src, dst))
         for h in shared:
             self._page_refs[h] += 1
-        self._owned[rid] = _Owned(block, list(shared) + self._alloc_pages(need), node)
+        own = self._owned[rid] = _Owned(block, list(shared) + self._alloc_pages(need), node)
+        for h in own.pages:
+            self._holders.setdefault(h, set()).add(rid)
         self.stats.admitted += 1
         self.stats.prompt_tokens += len(tokens)
         if hit:
@@ -138,13 +149,23 @@ class CacheManager:
             return True
         if not self._make_room(0, need):
             return False
-        own.pages += self._alloc_pages(need)
+        new = self._alloc_pages(need)
+        own.pages += new
+        for h in new:
+            self._holders.setdefault(h, set()).add(rid)
+        if own.rows is not None:  # a new list: a batch built before may still hold the old one
+            own.rows = own.rows + [self.arena.page_idx[h] for h in new]
         return True
 
     def release(self, rid: str) -> None:
         """Free everything `rid` holds (finished, aborted, retracted or handed off)."""
         own = self._owned.pop(rid)
         self._free_block(own.block)
+        for h in own.pages:  # first, so that no move below reaches the released request
+            holders = self._holders[h]
+            holders.discard(rid)
+            if not holders:
+                del self._holders[h]
         for h in own.pages:
             self._unref_page(h)
         if own.node is not None:
@@ -211,7 +232,11 @@ class CacheManager:
         self._page_refs[h] -= 1
         if self._page_refs[h] == 0:
             del self._page_refs[h]
-            self._moves += self.arena.free_page(h)
+            moves = self.arena.free_page(h)
+            for m in moves:  # the arena's last page moved into the hole: its holders' rows
+                for rid in self._holders.get(self.arena.pages[m.dst], ()):
+                    self._owned[rid].rows = None
+            self._moves += moves
 
     def _note_peak(self) -> None:
         used = self.arena.used_bytes()
@@ -234,5 +259,11 @@ class CacheManager:
                 if n.checkpoint is not None:
                     blocks.append(n.checkpoint)
         assert refs == self._page_refs, "page reference counts differ from their owners"
+        for rid, o in self._owned.items():
+            fresh = [self.arena.page_idx[h] for h in o.pages]
+            assert o.rows is None or o.rows == fresh, f"{rid}: stale page rows"
+            assert all(rid in self._holders[h] for h in o.pages), f"{rid}: holders"
+        held = sum(len(o.pages) for o in self._owned.values())
+        assert sum(map(len, self._holders.values())) == held, "holders differ from the requests"
         assert sorted(blocks) == sorted(self.arena.blocks), "live blocks differ from owners"
         assert set(refs) == set(self.arena.pages), "live pages differ from owners"
