@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from k3batch.cache.arena import ArenaSpec
 from k3batch.cache.layout import CacheLayout
+from k3batch.cache.paged import PagedCache
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.engine import Engine
 from k3batch.engine.request import Phase, SamplingParams
@@ -33,16 +33,16 @@ class HostOnlyRunner:
     def __init__(self, model_config, engine_config: EngineConfig, arena_bytes: int):
         self.config = model_config
         layers = range(model_config.num_hidden_layers)
-        self.layout = CacheLayout.build(model_config, layers, page_size=engine_config.page_size,
-                                        dtype_bytes=2)  # fmt: skip
-        fit = arena_bytes // self.layout.request_bytes(engine_config.max_seq_len)
+        layout = CacheLayout.build(model_config, layers, page_size=engine_config.page_size,
+                                   dtype_bytes=2)  # fmt: skip
+        # The bf16 arena on the meta device (no memory); as `LocalRunner` sizes it, less one
+        # request's room for the padded decode's scratch rows.
+        self.cache = PagedCache(layout, arena_bytes, device="meta", dtype=torch.bfloat16)
+        fit = self.cache.total_bytes // layout.request_bytes(engine_config.max_seq_len) - 1
         self.engine_config = sized(engine_config, cuda=True, seqs_fit=fit)
-        self.arena_bytes = arena_bytes
 
     def cache_specs(self):
-        return [ArenaSpec(total_bytes=self.arena_bytes // 256 * 256,
-                          block_bytes=self.layout.block_bytes,
-                          page_bytes=self.layout.page_bytes)]  # fmt: skip
+        return [self.cache.spec]
 
     def apply(self, moves):
         pass
