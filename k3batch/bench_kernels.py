@@ -53,6 +53,62 @@ def time_ms(fn, repeats: int, graph: bool = True) -> float:
     return statistics.median(times)
 
 
+def sustained_clock(fn, seconds: float = 2.0) -> dict:
+    """{"sm_mhz", "watts"}: medians of nvidia-smi's samples (every 100 ms) while a CUDA graph
+    of fn replays for `seconds`, after one second of replays to let the clock settle; {}
+    without nvidia-smi. A kernel that holds the board at its power limit runs at a lower SM
+    clock (one H200, the routed-expert GEMMs of `bench moe`: ~1,335 of 1,980 MHz at 695 of
+    700 W, `benchmarks/kernels_h200.txt`), so its share of a peak measured on another kernel
+    depends on what it draws."""
+    import shutil
+    import subprocess
+    import time
+
+    if shutil.which("nvidia-smi") is None:
+        return {}
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+
+    def replay_for(s):
+        end = time.perf_counter() + s
+        while time.perf_counter() < end:
+            graph.replay()
+            torch.cuda.synchronize()  # a bounded queue: the samples then match the work
+
+    replay_for(1.0)
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    bus = getattr(props, "pci_bus_id", None)
+    select = [] if bus is None else [
+        f"--id={props.pci_domain_id:08X}:{bus:02X}:{props.pci_device_id:02X}.0"]
+    query = ["--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100"]
+    smi = subprocess.Popen(["nvidia-smi", *select, *query], stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    try:
+        replay_for(seconds)
+    finally:
+        smi.terminate()
+    return clock_medians(smi.communicate()[0])
+
+
+def clock_medians(smi_csv: str) -> dict:
+    """{"sm_mhz", "watts"} of nvidia-smi's "MHz, W" lines (medians; lines that do not parse,
+    such as "[N/A]", are skipped); {} if none does."""
+    samples = []
+    for line in smi_csv.splitlines():
+        try:
+            mhz, watts = (float(v) for v in line.split(","))
+        except ValueError:
+            continue
+        samples.append((mhz, watts))
+    if not samples:
+        return {}
+    return {"sm_mhz": round(statistics.median(m for m, _ in samples)),
+            "watts": round(statistics.median(w for _, w in samples), 1)}
+
+
 def _sweep(configs: list[dict], time_cfg, rate, on_row=None) -> list[dict]:
     """Each launch config timed: cfg | {"ms", **rate(ms)}, or cfg | {"error"} for one the
     device refuses (out of shared memory or registers); on_row sees each timed row."""

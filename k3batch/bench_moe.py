@@ -11,6 +11,13 @@ grouped GEMM (`k3kernels.moe.grouped_gemm_triton`, what the model runs on an H20
 "torch-elementwise" (the pass with torch activation and combine, to show what fusing buys)
 and "loop-before" (the per-expert loop this replaced: counts read on the host, two GEMMs for
 gate and up, torch activation, index_add_).
+Two reference rows, measured in the same process: "dense-gemm" (torch.mm of two 8,192^2
+random matrices, 10 times: this GPU's bf16 peak as it runs here, next to the 777 TFLOP/s that
+the ratios use) and, at prefill shapes, "bmm-uniform" (cuBLAS's batched GEMM on the ideal
+routes, every expert exactly T k / E rows, the same weights: what these GEMMs reach without
+routing's uneven groups). Each counts its own FLOPs and bytes. One H200 (2c1ce6f): dense-gemm
+685 TFLOP/s (88% of 777: every GEMM here runs at the board's 700 W cap, the SM clock at
+1,300-1,600 of 1,980 MHz, `--clocks`), bmm-uniform 13.96 ms, gemm-triton 17.1-17.9 ms.
 A row that fails reports its error instead of a time.
 With `--expert-dtype mxfp4` the experts are quantized and kept packed: "experts-mxfp4" and
 "gemm-mxfp4" run the W4A16 kernel (`k3kernels.moe.w4a16`), their TB/s counted on the packed
@@ -39,7 +46,7 @@ from functools import partial
 
 import torch
 
-from k3batch.bench_kernels import time_ms
+from k3batch.bench_kernels import sustained_clock, time_ms
 from k3batch.model import get_flavor
 from k3batch.roofline import BF16_TFLOPS, COPY_TBPS, roofline_ms
 from k3kernels.moe.act import moe_act
@@ -67,14 +74,15 @@ def _layer_inputs(config, num_tokens: int, gen, device):
 
 def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_layers=None,
                    repeats: int = 10, seed: int = 0, expert_dtype: str = "bf16",
-                   sweep: bool = False) -> list[dict]:  # fmt: skip
+                   sweep: bool = False, clocks: bool = False) -> list[dict]:  # fmt: skip
     """Rows {"impl", "ms", "tflops", "pct_peak", "weight_tbps"} for the routed experts of
     `num_layers` MoE layers (default: all of the flavor's) at `num_tokens` tokens, on CUDA,
     activations bf16. expert_dtype "mxfp4": the experts quantized and kept packed, rows
     "experts-mxfp4" / "gemm-mxfp4" (the W4A16 kernel, TB/s on the packed bytes) beside the
     bf16 "experts" / "gemm" rows of the same weights' dequantized values. sweep: also the
     Triton GEMM of that format over `sweep_configs` (rows named "<impl> <config json>"); the
-    best goes into the GPU's tuned table (`k3kernels/moe/tuned/`)."""
+    best goes into the GPU's tuned table (`k3kernels/moe/tuned/`). clocks: each CUDA-graph row
+    also gets the SM clock and board power it ran at (`sustained_clock`, 3 s a row)."""
     if not torch.cuda.is_available():
         raise ValueError("bench moe needs a CUDA device")
     config = get_flavor(flavor)
@@ -140,13 +148,41 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
 
         return run
 
+    # References measured in the same process, each with its own FLOPs and bytes: this GPU's
+    # dense bf16 GEMM (its peak here, at its power cap), and cuBLAS on the ideal routes (every
+    # expert exactly T k / E rows, one batched GEMM per projection): what the GEMMs of this
+    # pass can reach on this machine without routing's uneven groups.
+    n = 8192
+    a, b = (torch.randn(n, n, generator=gen, device=device).to(torch.bfloat16) for _ in range(2))
+    own = {"dense-gemm": (10 * 2 * n**3, 10 * 3 * n * n * 2)}
+
+    def dense():
+        for _ in range(10):
+            torch.mm(a, b)
+
+    R = num_tokens * k // config.num_experts
+    uniform = [(torch.randn(config.num_experts, R, D, generator=gen, device=device),
+                torch.randn(config.num_experts, R, I, generator=gen, device=device))
+               for _ in range(num_layers if R >= 64 else 0)]  # fmt: skip
+    uniform = [(x.to(torch.bfloat16), h.to(torch.bfloat16)) for x, h in uniform]
+
+    def bmm_uniform():
+        for (_, w13, w2, _, _), (x, h) in zip(layers, uniform):
+            torch.bmm(x, w13.transpose(1, 2))
+            torch.bmm(h, w2.transpose(1, 2))
+
     rows = []
     impls = [("experts", experts(True)), ("gemm", gemm_only()),
              ("experts-triton", experts(True, impl="triton")),
              ("gemm-triton", gemm_only(impl="triton")),
-             ("torch-elementwise", experts(False)), ("loop-before", loop_before)]  # fmt: skip
+             ("torch-elementwise", experts(False)), ("loop-before", loop_before),
+             ("dense-gemm", dense)]  # fmt: skip
+    if uniform:  # prefill shapes only
+        impls.append(("bmm-uniform", bmm_uniform))
+        per_layer = config.num_experts * 3 * D * I
+        own["bmm-uniform"] = (num_layers * 2 * R * per_layer, num_layers * per_layer * 2)
     if expert_dtype == "mxfp4":
-        beside = ("experts", "gemm", "experts-triton", "gemm-triton")  # on the dequantized values
+        beside = ("experts", "gemm", "experts-triton", "gemm-triton", "dense-gemm", "bmm-uniform")
         impls = [("experts-mxfp4", experts_mxfp4), ("gemm-mxfp4", gemm_mxfp4()),
                  *(row for row in impls if row[0] in beside)]  # fmt: skip
     if sweep:  # the Triton kernel of this weight format over launch configs, as "<impl> {cfg}"
@@ -161,14 +197,18 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
         except Exception as e:  # an experimental row must not hide the others
             rows.append({"impl": impl, "error": f"{type(e).__name__}: {e}"[:300]})
             continue
-        tflops = flops / ms / 1e9
-        bytes_read = packed_bytes if "mxfp4" in impl else weight_bytes
+        row_flops, bytes_read = own.get(impl, (flops, weight_bytes))
+        if "mxfp4" in impl:
+            bytes_read = packed_bytes
+        tflops = row_flops / ms / 1e9
         rows.append({"impl": impl, "flavor": flavor, "layers": num_layers, "tokens": num_tokens,
                      "ms": round(ms, 3), "tflops": round(tflops, 1),
                      "weight_tbps": round(bytes_read / ms / 1e9, 2),
                      "pct_peak": round(100 * tflops / BF16_TFLOPS, 1),
-                     "pct_roofline": round(100 * roofline_ms(flops, bytes_read) / ms, 1),
+                     "pct_roofline": round(100 * roofline_ms(row_flops, bytes_read) / ms, 1),
                      })  # fmt: skip
+        if clocks and impl != "loop-before":
+            rows[-1] |= sustained_clock(fn)
     return rows
 
 
@@ -249,7 +289,7 @@ def format_moe_table(rows: list[dict]) -> str:
         f"routed experts, {r0['flavor']}: {r0['layers']} layers x {r0['tokens']} tokens, bf16; "
         f"peak {BF16_TFLOPS:.0f} TFLOP/s",
         "impl              |      ms | TFLOP/s | % of peak | expert TB/s | % of copy | "
-        "% of roofline",
+        "% of roofline" + (" |  SM MHz |  watts" if any("sm_mhz" in r for r in rows) else ""),
     ]
     for r in rows:
         if "error" in r:
@@ -259,5 +299,6 @@ def format_moe_table(rows: list[dict]) -> str:
             f"{r['impl']:17s} | {r['ms']:7.2f} | {r['tflops']:7.1f} | {r['pct_peak']:8.1f}% | "
             f"{r['weight_tbps']:11.2f} | {100 * r['weight_tbps'] / COPY_TBPS:8.1f}% | "
             f"{r['pct_roofline']:12.1f}%"
+            + (f" | {r['sm_mhz']:7d} | {r['watts']:6.1f}" if "sm_mhz" in r else "")
         )
     return "\n".join(lines)

@@ -129,15 +129,18 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, prof
               help="Also time the Triton GEMM of this format over launch configs.")
 @click.option("--save-tuned", is_flag=True,
               help="With --sweep: write the fastest into this GPU's tuned table.")
+@click.option("--clocks", is_flag=True,
+              help="Also the SM clock and board power each row runs at (nvidia-smi; 3 s a row).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
-def bench_moe(flavor, tokens, layers, repeats, expert_dtype, sweep, save_tuned, json_path):
+def bench_moe(flavor, tokens, layers, repeats, expert_dtype, sweep, save_tuned, clocks,
+              json_path):  # fmt: skip
     """Routed experts alone (CUDA): TFLOP/s, % of the bf16 GEMM peak, TB/s on expert bytes."""
     from k3batch.bench_moe import format_moe_table, moe_throughput, save_best
     from k3batch.model import get_flavor
 
     try:
         rows = moe_throughput(flavor, num_tokens=tokens, num_layers=layers, repeats=repeats,
-                              expert_dtype=expert_dtype, sweep=sweep)  # fmt: skip
+                              expert_dtype=expert_dtype, sweep=sweep, clocks=clocks)  # fmt: skip
         click.echo(format_moe_table(rows))
         if sweep and save_tuned:
             config = get_flavor(flavor)

@@ -87,3 +87,21 @@ def test_moe_roofline_is_bytes_at_k3_slice_prefill():
     assert round(flops / BF16_TFLOPS / 1e9, 1) == 9.8
     assert round(floor / (flops / (0.6 * BF16_TFLOPS) / 1e9), 2) == 0.75
     assert roofline_ms(flops / 128, weights) == floor
+
+
+def test_clock_samples_and_the_moe_table():
+    """`bench moe --clocks`: nvidia-smi's "MHz, W" lines reduce to medians (unreadable lines
+    skipped, none readable: no figures), and the table shows the two columns only then."""
+    from k3batch.bench_kernels import clock_medians
+    from k3batch.bench_moe import format_moe_table
+
+    smi = "1335, 695.48\n1980, 142.58\n[N/A], [N/A]\n1305, 696.01\n"
+    assert clock_medians(smi) == {"sm_mhz": 1335, "watts": 695.5}
+    assert clock_medians("[N/A], [N/A]\n") == {} and clock_medians("") == {}
+    row = {"impl": "experts-triton", "flavor": "k3-slice", "layers": 7, "tokens": 8192,
+           "ms": 19.2, "tflops": 394.0, "weight_tbps": 2.69, "pct_peak": 50.7,
+           "pct_roofline": 63.2}  # fmt: skip
+    plain = format_moe_table([row])
+    assert "SM MHz" not in plain and plain.splitlines()[-1].endswith("63.2%")
+    clocked = format_moe_table([row | clock_medians(smi)])
+    assert "SM MHz" in clocked and clocked.splitlines()[-1].endswith("|    1335 |  695.5")
