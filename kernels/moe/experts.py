@@ -33,7 +33,8 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
     gemm_impl: "torch" (`torch._grouped_mm`), "triton" (`grouped_gemm_triton`) or "auto": Triton
     on a CUDA GPU of compute capability 9 or more (TMA) at decode shapes
     (`grouped_gemm_triton.regime`) and for bf16 at prefill (one H200, k3-slice: 3.9 TB/s
-    against 2.9 on the expert bytes at 64 tokens, 58-62% of the bf16 peak against 47-50% at 8,192),
+    against 2.9 on the expert bytes at 64 tokens; 54-57% of the bf16 peak against 46-49% at
+    8,192 on real activations),
     torch otherwise (fp32 prefill: fp32 GEMMs, not TF32).
     """
     if use_triton is None:

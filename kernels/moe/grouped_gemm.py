@@ -22,7 +22,7 @@ two or three calls, so that each has fewer rows per group and gets the 64 x 128 
 192 rows per ~146-row group: 76%), was measured slower on the H200: 30% of the peak against 47%
 (`benchmarks/moe_k3slice_h200.jsonl`, rows "gemm-split2/3"). `grouped_gemm_triton` is the
 way out on Hopper, the path the model takes there (tiles of 128 + 32 rows, the rows as the
-MMA's N side: 58-62% of the peak).
+MMA's N side: 54-57% of the peak on real activations, against 46-49% for this one).
 Shape legend: M sorted rows, K input width, N output width, E experts.
 """
 
