@@ -17,7 +17,10 @@ and reports the best.
 
 import itertools
 import math
+import shutil
 import statistics
+import subprocess
+import time
 
 import torch
 
@@ -60,10 +63,6 @@ def sustained_clock(fn, seconds: float = 2.0) -> dict:
     clock (one H200, the routed-expert GEMMs of `bench moe`: ~1,335 of 1,980 MHz at 695 of
     700 W, `benchmarks/kernels_h200.txt`), so its share of a peak measured on another kernel
     depends on what it draws."""
-    import shutil
-    import subprocess
-    import time
-
     if shutil.which("nvidia-smi") is None:
         return {}
     fn()

@@ -56,6 +56,7 @@ from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton, regime
 from k3kernels.moe.mxfp4 import round_to_mxfp4_
 from k3kernels.moe.permute import sort_slots
 
+
 def _layer_inputs(config, num_tokens: int, gen, device):
     D = config.routed_expert_hidden_size or config.hidden_size
     E, I, k = config.num_experts, config.moe_intermediate_size, config.num_experts_per_token
@@ -161,10 +162,9 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
             torch.mm(a, b)
 
     R = num_tokens * k // config.num_experts
-    uniform = [(torch.randn(config.num_experts, R, D, generator=gen, device=device),
-                torch.randn(config.num_experts, R, I, generator=gen, device=device))
+    uniform = [tuple(torch.randn(config.num_experts, R, width, generator=gen, device=device)
+                     .to(torch.bfloat16) for width in (D, I))
                for _ in range(num_layers if R >= 64 else 0)]  # fmt: skip
-    uniform = [(x.to(torch.bfloat16), h.to(torch.bfloat16)) for x, h in uniform]
 
     def bmm_uniform():
         for (_, w13, w2, _, _), (x, h) in zip(layers, uniform):

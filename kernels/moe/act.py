@@ -73,8 +73,7 @@ def moe_act(h_MF: torch.Tensor, act: str, beta: float = 4.0, linear_beta: float 
     return _launch(h_MF[:, : F // 2], h_MF[:, F // 2 :], act, beta, linear_beta)
 
 
-def _launch(g_MI, u_MI, act, beta, linear_beta, block_m=None, block_i=BLOCK_I,
-            num_warps=NUM_WARPS):  # fmt: skip
+def _launch(g_MI, u_MI, act, beta, linear_beta, block_m=None):
     if act not in ("situ", "silu"):
         raise ValueError(f"unknown gated activation {act!r}; known: situ, silu")
     M, I = g_MI.shape
@@ -83,9 +82,9 @@ def _launch(g_MI, u_MI, act, beta, linear_beta, block_m=None, block_i=BLOCK_I,
     out = torch.empty(M, I, dtype=g_MI.dtype, device=g_MI.device)
     if M == 0:
         return out
-    block_i = min(block_i, triton.next_power_of_2(I))
+    block_i = min(BLOCK_I, triton.next_power_of_2(I))
     grid = (triton.cdiv(M, block_m), triton.cdiv(I, block_i))
     gated_act_kernel[grid](g_MI, u_MI, out, g_MI.stride(0), u_MI.stride(0), out.stride(0), M, I,
                            float(beta), float(linear_beta), IS_SITU=act == "situ",
-                           BLOCK_M=block_m, BLOCK_I=block_i, num_warps=num_warps)  # fmt: skip
+                           BLOCK_M=block_m, BLOCK_I=block_i, num_warps=NUM_WARPS)  # fmt: skip
     return out

@@ -27,10 +27,11 @@ One H200, k3-slice prefill, the two GEMMs of 7 layers x 8,192 tokens (`k3batch b
 --sweep`, rows in `benchmarks/moe_k3slice_h200.jsonl`): 128 + 32 rows x 128 columns x 64
 inputs, 8 warps, 3 stages: 17.1-17.9 ms on real activations (54-57% of the bf16 peak; 20.2 on
 one machine) against 19.7-21.0 ms for `torch._grouped_mm`. Both run at the board's 700 W
-power cap (SM clock ~1,330 of 1,980 MHz); cuBLAS's batched GEMM on ideal routes (every expert
-exactly 146 rows) takes 13.96 ms on the same machine. The tile sweeps (128 + 64 rows 16.9 ms,
-128 + 0 20.5-20.8, 4 warps 16.5-16.9 against 15.7-16.6 for the tuned tile) ran the down GEMM
-on an unwritten buffer, zeros on those machines, which these GEMMs run 13-16% faster on.
+power cap (SM clock ~1,330 and ~1,490 of 1,980 MHz); cuBLAS's batched GEMM on ideal routes
+(every expert exactly 146 rows) takes 13.96 ms on the same machine. The tile sweeps (128 + 64
+rows 16.9 ms, 128 + 0 20.5-20.8, 4 warps 16.5-16.9 against 15.7-16.6 for the tuned tile) ran
+the down GEMM on an unwritten buffer, zeros on those machines, which these GEMMs run 13-16%
+faster on.
 Before, with the rows as M: 22.5 ms with pointer loads (128-row tiles, each expert's last one
 in steps of 64 rows), 20.7 with TMA. The swapped kernel with pointer loads took 19.6 ms. At
 decode (64 tokens, ~1 row per expert; block_m 16, block_t 0) it reads the experts' weights at
