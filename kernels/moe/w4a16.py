@@ -38,12 +38,17 @@ operand's layout back through the unpacking's 4-byte packed inline asm, so a thr
 were no longer one word; three 64-row accumulators sharing one unpacked tile were right but
 slower, 31.8 against 26.2 ms for 7 k3-slice layers at 8,192 tokens); nor was
 split-K at one token (K in parts, partial sums added by the activation and combine kernels:
-0.168 ms against 0.167 for 7 layers; each GEMM there is ~12 us of mostly fixed latency).
+0.168 ms against 0.167 for 7 layers).
 Nor were activations stored pre-split into each tile's even and odd inputs (no byte permutes:
 148 registers, but register moves into the MMA operands) or each K step run as 2-4 sub-steps
-(94-124 registers): 12-28% slower at 1, 16 and 64 tokens. At one token, torch.sum reading the
-same 14 buffers one kernel each reads at 1.46 TB/s, as fast as these GEMMs
-(`benchmarks/kernels_h200.txt`, 2026-12-02, with ncu's stall counts).
+(94-124 registers): 12-28% slower at 1, 16 and 64 tokens. Nor a persistent grid, 8 warps, TMA
+loads of the packed bytes, each weight tile contiguous in memory, or one kernel per layer for a
+few tokens (gate-up, activation and down in one program per slot and inner slice): equal or
+slower at 1-64 tokens (`benchmarks/kernels_h200.txt`, 2026-12-03, fifth session). With the
+unpacking replaced by moves (wrong values) the same loop reads at 78-83% of the copy bandwidth
+at 16-64 tokens against 68-73%, but gains only 12% at one token, where the GEMMs read at 30%
+of copy while a plain Triton read of the same bytes reaches 77% and the bf16 kernel 80%: at one
+token this kernel is bound by something other than its instruction count, not yet found.
 One H200, k3-slice, 7 layers (`k3batch bench moe --expert-dtype mxfp4`), before the word
 layout: 64 tokens 3.40 ms as CUDA-graph replays (2.68 TB/s on the packed bytes, 63% of the
 copy bandwidth); 8,192 tokens 28.5 ms (72% of the bf16 grouped GEMM's throughput).

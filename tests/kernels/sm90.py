@@ -37,6 +37,14 @@ GPU_VALUES = {
 }
 
 
+def _aligned(value) -> bool:
+    """Whether Triton's launcher would mark the argument divisible by 16 (it specializes on
+    that: vector loads of aligned rows; without it the SASS is not the GPU run's)."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
+
+
 def _type(value) -> str:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -55,7 +63,8 @@ def _type(value) -> str:
 
 class Recorder:
     """Patches the interpreter's launch to note each `k3kernels` launch as a spec
-    {module, kernel, signature, constexprs, num_warps, num_stages}."""
+    {module, kernel, signature, constexprs, aligned, num_warps, num_stages}; aligned: the
+    arguments divisible by 16, which the compiler is told as the launcher would (`_aligned`)."""
 
     def __init__(self):
         self.specs: dict[str, dict] = {}
@@ -76,14 +85,17 @@ class Recorder:
             return
         params = inspect.signature(fn).parameters
         bound = dict(zip(params, args)) | {k: v for k, v in kwargs.items() if k in params}
-        signature, constexprs = {}, {}
+        signature, constexprs, aligned = {}, {}, []
         for name, p in params.items():
             value = bound.get(name, p.default)
             if "constexpr" in str(p.annotation):
                 constexprs[name] = value
             else:
                 signature[name] = _type(value)
+                if _aligned(value):
+                    aligned.append(name)
         spec = {"module": fn.__module__, "kernel": fn.__name__, "signature": signature,
+                "aligned": aligned,
                 "constexprs": constexprs, "num_warps": kwargs.get("num_warps", 4),
                 "num_stages": kwargs.get("num_stages", 3)}  # fmt: skip
         self.specs.setdefault(json.dumps(spec, sort_keys=True), spec)
@@ -120,7 +132,10 @@ def _compile_one(spec: dict, sass: bool) -> tuple[str | None, str | None]:
               for k, v in spec["constexprs"].items()}  # fmt: skip
     names = kernel.arg_names
     full = {n: sig.get(n, "constexpr") for n in names}
-    src = ASTSource(kernel, full, constexprs={(names.index(k),): v for k, v in consts.items()})
+    # what the launcher tells the compiler: pointers and integers divisible by 16
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in spec.get("aligned", ())}
+    src = ASTSource(kernel, full, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)  # fmt: skip
     try:
         out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                              options={"num_warps": spec["num_warps"],
