@@ -13,6 +13,10 @@ Also a kernel engineer's tool without a GPU: `K3_SM90_SPECS=specs.json pytest te
 moe` writes the launches, then `python tests/kernels/sm90.py specs.json --sass` prints, per
 launch, registers, shared memory and the instruction mix of the main loop (how the W4A16 and
 MLA decode kernels were found to be bound by instruction issue: `benchmarks/kernels_h200.txt`).
+Each spec carries the arguments Triton's launcher would mark divisible by 16 (`aligned`): the
+compiler vectorizes loads only with them. They are those of the recorded launch, the tests' tiny
+shapes; for a report at K3's shapes, list every pointer and width there (all are multiples of
+16 at K3's widths): without them the W4A16 decode tile compiles to byte loads and spills.
 """
 
 import collections
