@@ -37,14 +37,10 @@ def time_ms(fn, repeats: int, graph: bool = True) -> float:
     """Median CUDA-event time of fn after a warm-up; with graph, of the replay of a CUDA graph
     of fn (what the engine's decode step runs), so that the host's launch time, which exceeds
     the GPU's at a few tokens, is left out."""
-    fn()  # warm-up: Triton compilation, CUTLASS setup
-    torch.cuda.synchronize()
     if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        fn = g.replay
-        fn()
+        fn = graph_replay(fn)
+    fn()  # warm-up: Triton compilation, CUTLASS setup (or the graph's first replay)
+    torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -56,6 +52,17 @@ def time_ms(fn, repeats: int, graph: bool = True) -> float:
     return statistics.median(times)
 
 
+def graph_replay(fn):
+    """The replay of a CUDA graph of fn, captured after one eager call (Triton compilation,
+    CUTLASS setup)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def sustained_clock(fn, seconds: float = 2.0) -> dict:
     """{"sm_mhz", "watts"}: medians of nvidia-smi's samples (every 100 ms) while a CUDA graph
     of fn replays for `seconds`, after one second of replays to let the clock settle; {}
@@ -65,16 +72,12 @@ def sustained_clock(fn, seconds: float = 2.0) -> dict:
     depends on what it draws."""
     if shutil.which("nvidia-smi") is None:
         return {}
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    replay = graph_replay(fn)
 
     def replay_for(s):
         end = time.perf_counter() + s
         while time.perf_counter() < end:
-            graph.replay()
+            replay()
             torch.cuda.synchronize()  # a bounded queue: the samples then match the work
 
     replay_for(1.0)

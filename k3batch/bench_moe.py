@@ -15,9 +15,9 @@ Two reference rows, measured in the same process: "dense-gemm" (torch.mm of two 
 random matrices, 10 times: this GPU's bf16 peak as it runs here, next to the 777 TFLOP/s that
 the ratios use) and, at prefill shapes, "bmm-uniform" (cuBLAS's batched GEMM on the ideal
 routes, every expert exactly T k / E rows, the same weights: what these GEMMs reach without
-routing's uneven groups). Each counts its own FLOPs and bytes. One H200 (2c1ce6f): dense-gemm
-685 TFLOP/s (88% of 777: every GEMM here runs at the board's 700 W cap, the SM clock at
-1,300-1,600 of 1,980 MHz, `--clocks`), bmm-uniform 13.96 ms, gemm-triton 17.1-17.9 ms.
+routing's uneven groups). Each counts its own FLOPs and bytes. One H200 (8b2d625, `--clocks`):
+dense-gemm 680.5 TFLOP/s (87.6% of 777: every GEMM here runs at the board's 700 W cap, the SM
+clock at 1,185-1,480 of 1,980 MHz), bmm-uniform 14.88 ms, gemm-triton 17.62 ms.
 A row that fails reports its error instead of a time.
 With `--expert-dtype mxfp4` the experts are quantized and kept packed: "experts-mxfp4" and
 "gemm-mxfp4" run the W4A16 kernel (`k3kernels.moe.w4a16`), their TB/s counted on the packed
