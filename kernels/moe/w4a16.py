@@ -48,10 +48,13 @@ slower at 1-64 tokens (`benchmarks/kernels_h200.txt`, 2026-12-03, fifth session)
 unpacking replaced by moves (wrong values) the same loop reads at 78-83% of the copy bandwidth
 at 16-64 tokens against 68-73%, but gains only 12% at one token, where the GEMMs read at 30%
 of copy while a plain Triton read of the same bytes reaches 77% and the bf16 kernel 80%: at one
-token this kernel is bound by something other than its instruction count, not yet found. Nor
-did two accumulators, tiles from a table, weights joined to x's input order, K in 2-14 parts
-or a one-row GEMV without MMAs (34% of copy at one token, behind this kernel from four tokens)
-reach 75% (`benchmarks/kernels_h200.txt`, 2026-12-03, sixth session).
+token its 96 gate-up programs run one per SM, each K step taking 1,870 cycles whether the tile
+is in HBM or L2, while an SM running two programs completes a step every ~1,290 cycles (70% of
+copy at 1.79 GHz, this loop's ceiling at 16-256 tokens). Nor did two accumulators, tiles from a
+table, weights joined to x's input order, K in 2-14 parts, a one-row GEMV without MMAs (34% of
+copy at one token, behind this kernel from four tokens) or stream-K (one wave sharing the K
+steps evenly; 24% at one token, 62% at 64) reach 75% (`benchmarks/kernels_h200.txt`,
+2026-12-03, sixth and seventh sessions).
 One H200, k3-slice, 7 layers (`k3batch bench moe --expert-dtype mxfp4`), before the word
 layout: 64 tokens 3.40 ms as CUDA-graph replays (2.68 TB/s on the packed bytes, 63% of the
 copy bandwidth); 8,192 tokens 28.5 ms (72% of the bf16 grouped GEMM's throughput).
