@@ -20,8 +20,9 @@ dense-gemm 680.5 TFLOP/s (87.6% of 777: every GEMM here runs at the board's 700 
 clock at 1,185-1,480 of 1,980 MHz), bmm-uniform 14.88 ms, gemm-triton 17.62 ms.
 A row that fails reports its error instead of a time.
 With `--expert-dtype mxfp4` the experts are quantized and kept packed: "experts-mxfp4" and
-"gemm-mxfp4" run the W4A16 kernel (`k3kernels.moe.w4a16`), their TB/s counted on the packed
-bytes (0.53 B per weight), beside the bf16 rows on the same weights' dequantized values.
+"gemm-mxfp4" run the W4A16 kernels the pass uses (`k3kernels.moe.w4a16_decode` where it
+applies, else `k3kernels.moe.w4a16`; swept rows: the latter's tiles), their TB/s counted on the
+packed bytes (0.53 B per weight), beside the bf16 rows on the same weights' dequantized values.
 First H200 run (torch 2.11): experts 22.0 ms = 345 TFLOP/s (44% of peak), gemm 20.1 ms = 378
 TFLOP/s (49%), torch-elementwise 35.0 ms (28%): the grouped GEMMs' tile waste (see
 grouped_gemm.py) bounds this design, not the sort, activation or combine (2 ms together).
@@ -140,12 +141,18 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
             fused_experts(x, w13, w2, ids, w, use_triton=True, **kw)
 
     def gemm_mxfp4(cfg=None):
+        """The pass's W4A16 GEMMs (the Gluon decode kernel where it applies); a swept config:
+        the Triton kernel with those tiles."""
         from k3kernels.moe.w4a16 import grouped_mm_mxfp4
+        from k3kernels.moe.w4a16_decode import grouped_mm_mxfp4_auto
+
+        def gemm(x, w, offs):
+            return grouped_mm_mxfp4(x, w, offs, **cfg) if cfg else grouped_mm_mxfp4_auto(x, w, offs)
 
         def run():
             for (w13, w2), (xs, h, offs) in zip(packed, sorted_rows):
-                grouped_mm_mxfp4(xs, w13, offs, **(cfg or {}))
-                grouped_mm_mxfp4(h, w2, offs, **(cfg or {}))
+                gemm(xs, w13, offs)
+                gemm(h, w2, offs)
 
         return run
 

@@ -27,8 +27,9 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
     e = ids[t, j] - first_expert is held here (0 <= e < E); fp32 [T, D].
 
     x [T, D] and the weights share a dtype, or the weights are `MXFP4Weight`s (packed experts:
-    the W4A16 Triton kernel `k3kernels.moe.w4a16` with use_triton, else dequantized to x's
-    dtype per call, the reference path); ids [T, k] global expert ids; weights [T, k].
+    with use_triton the W4A16 kernels, `k3kernels.moe.w4a16_decode` at decode sizes on sm_90
+    and `k3kernels.moe.w4a16` otherwise; else dequantized to x's dtype per call, the reference
+    path); ids [T, k] global expert ids; weights [T, k].
     use_triton: the fused Triton activation and combine (default: on CUDA).
     gemm_impl: "torch" (`torch._grouped_mm`), "triton" (`grouped_gemm_triton`) or "auto": Triton
     on a CUDA GPU of compute capability 9 or more (TMA) at decode shapes
@@ -71,10 +72,10 @@ GEMM_IMPLS = ("auto", "torch", "triton")  # gemm_impl of `fused_experts`
 
 def _pick_gemm(w13, w2, ids_Tk, cuda: bool, gemm_impl: str):
     """The grouped GEMM for these weights (see `fused_experts`): W4A16 for packed experts."""
-    if isinstance(w13, MXFP4Weight):
-        from k3kernels.moe.w4a16 import grouped_mm_mxfp4
+    if isinstance(w13, MXFP4Weight):  # the Gluon decode kernel where it fits, else Triton's
+        from k3kernels.moe.w4a16_decode import grouped_mm_mxfp4_auto
 
-        return grouped_mm_mxfp4
+        return grouped_mm_mxfp4_auto
     if gemm_impl == "auto":
         from k3kernels.moe.grouped_gemm_triton import regime, tma_ready
 

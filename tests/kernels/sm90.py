@@ -138,7 +138,10 @@ def _compile_one(spec: dict, sass: bool) -> tuple[str | None, str | None]:
     full = {n: sig.get(n, "constexpr") for n in names}
     # what the launcher tells the compiler: pointers and integers divisible by 16
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in spec.get("aligned", ())}
-    src = ASTSource(kernel, full, constexprs={(names.index(k),): v for k, v in consts.items()},
+    source = ASTSource
+    if getattr(kernel, "is_gluon", lambda: False)():  # a Gluon kernel (its own IR source)
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(kernel, full, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)  # fmt: skip
     try:
         out = triton.compile(src, target=GPUTarget("cuda", 90, 32),

@@ -341,6 +341,32 @@ def test_grouped_mm_mxfp4_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_mm_mxfp4_decode_gpu():
+    """The Gluon decode kernel against dequantize-then-matmul at K3 widths (rel RMS <= 2e-3 in
+    bf16): groups empty, of 1-2 rows and over two 8-row tiles, unused rows at the end; the same
+    bits on a second run; what it does not take (fp32, a few rows, large scales) it declines."""
+    from k3kernels.moe import w4a16_decode as D
+    from k3kernels.moe.mxfp4 import MXFP4Weight, quantize_mxfp4
+    from k3kernels.moe.reference import grouped_mm_mxfp4_reference
+
+    g = torch.Generator().manual_seed(6)
+    offs = torch.tensor([0, 2, 3, 21, 36], dtype=torch.int32, device="cuda")
+    for K, N in ((3584, 6144), (3072, 3584)):
+        w = torch.randn(5, N, K, generator=g) * 2.0 ** torch.randint(-3, 4, (5, N, 1), generator=g)
+        wq = MXFP4Weight.from_checkpoint(*(t.cuda() for t in quantize_mxfp4(w * K**-0.5)))
+        x = torch.randn(40, K, generator=g).to("cuda", torch.bfloat16)
+        assert D.supported(x, wq)
+        out = D.grouped_mm_mxfp4_decode(x, wq, offs)[:36]
+        assert torch.equal(out, D.grouped_mm_mxfp4_decode(x, wq, offs)[:36])
+        ref = grouped_mm_mxfp4_reference(x, wq, offs)
+        assert_close("grouped_mm_mxfp4_decode", ref, out, rel_rms=2e-3)
+        big = MXFP4Weight.from_checkpoint(*(t.cuda() for t in quantize_mxfp4(w * 2.0**20)))
+        assert not (D.supported(x.float(), wq) or D.supported(x[:3], wq)
+                    or D.supported(x, big))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_route_and_sort_gpu():
     """K3 (896 experts, top-16) and k3-slice (112, top-2) decode batches, an EP half."""
     for T in (1, 16, 64):

@@ -1,0 +1,307 @@
+"""W4A16 grouped GEMM for decode (a few rows per expert) in Gluon, Triton's layout-explicit
+dialect (`triton.experimental.gluon`): the packed MXFP4 words go from global memory straight
+into the registers of the MMA's fragments, with no shared memory, barrier or layout conversion.
+Same contract as `w4a16.grouped_mm_mxfp4` (rows [offs[e-1], offs[e]) of x times expert e's
+weights; rows after offs[-1] unwritten) for the shapes `supported` accepts; the dispatcher
+`grouped_mm_mxfp4_auto` sends everything else to that kernel (Gluon has no CPU interpreter).
+
+Each program computes 128 output columns x 8 rows of one expert: the weights are the MMA's A
+operand (m16n8k16: 16 columns an instruction, half the tree kernel's MMAs), the rows its N.
+The MMA's K order is free as long as both operands share it, so it is chosen for the unpacking:
+within a 256-input step, k-slot 32 j + 16 t + 8 b + 2 q + e carries input 64 q + 8 j + t + 4 b
++ 2 e. Thread q (lane % 4) then reads the 8 consecutive words 8 q .. 8 q + 7 of its columns
+(two 16-byte loads), and one word of 8 codes, unpacked by the PTX of `w4a16._e2m1_words_bf16`
+(12 instructions), is the A fragments of two k16 tiles; one asm unpacks the words of columns c
+and c + 8 so that its outputs are the fragments' register quads. x's pairs are built to match
+by 4 byte permutes per 8 inputs. x is read interleaved (`interleave_x`: within each 256-input
+step, the 16-byte chunk i of quarter q at position 4 i + q), so that a row's 4 threads read 64
+contiguous bytes per load: read in place, each load touched 32 cache lines and the kernel was
+bound by L1 (93% busy under ncu). Two K steps per loop iteration, each loading the other's
+next step into registers, L2 prefetch 3-4 steps ahead, two accumulators by k16-tile parity.
+SASS (sm_90, triton 3.6 and 3.9): ~532 instructions per K step of 128 x 256 weights (the tree
+kernel: 688), 166 registers (3 programs an SM).
+
+One H200, 7 k3-slice layers, both GEMMs, CUDA-graph replays, % of the copy bandwidth on the
+packed bytes (`benchmarks/kernels_h200.txt`, seventh session; x interleaved beforehand):
+tokens 1: 27% (the tree kernel: 30%, so `MIN_ROWS` keeps it), 2: 44-46 (43), 4: 62-63 (54-55),
+8: 68 (62), 16: 72 (66-68), 64: 77 (65-73), 256: 66-72 (65-68). The interleaving copy of x costs
+1-5 points at 2-16 tokens.
+Shape legend: M sorted rows, K input width, N output width, E experts.
+"""
+
+import torch
+
+from k3kernels.moe.grouped_gemm_triton import _INTERPRETED, num_tile_slots, regime
+from k3kernels.moe.mxfp4 import MXFP4Weight
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+except ImportError:  # a Triton without Gluon: the tree kernel serves every shape
+    gluon = None
+
+BLOCK_N = 128  # output columns per program
+BLOCK_M = 8  # rows per program (the MMA's N)
+STEP = 256  # inputs per K step
+MAX_EXPERTS = 128  # the group-end scan's width
+MIN_ROWS = 4  # fewer sorted rows (1 token at top-2): the tree kernel is faster
+
+
+def supported(x_MK: torch.Tensor, w: MXFP4Weight) -> bool:
+    """Whether this kernel takes x and w: bf16 rows on an sm_90+ GPU at decode sizes, K a
+    multiple of 2 steps, N of 128, at most 128 experts, small scales (`MXFP4Weight`)."""
+    E, N, K = w.shape
+    M = x_MK.shape[0]
+    return (gluon is not None and not _INTERPRETED and x_MK.is_cuda
+            and x_MK.dtype == torch.bfloat16 and x_MK.stride(-1) == 1
+            and torch.cuda.get_device_capability(x_MK.device) >= (9, 0)
+            and MIN_ROWS <= M and regime(M, E) == "decode" and E <= MAX_EXPERTS
+            and K % (2 * STEP) == 0 and N % BLOCK_N == 0 and w.small_scales
+            and w.packed.is_contiguous() and w.scale.stride(-1) == 1)  # fmt: skip
+
+
+def interleave_x(x_MK: torch.Tensor) -> torch.Tensor:
+    """[M, K] bf16 -> [M, K / 2] int32 (bf16 pairs): within each 256-input step, the 16-byte
+    chunk i (inputs 8 i .. 8 i + 7) of quarter q at chunk position 4 i + q."""
+    M, K = x_MK.shape
+    v = x_MK.contiguous().view(torch.int32).view(M, K // STEP, 4, 8, 4)  # quarter, chunk, word
+    return v.transpose(2, 3).contiguous().view(M, K // 2)
+
+
+def grouped_mm_mxfp4_decode(x_MK: torch.Tensor, w: MXFP4Weight,
+                            offs_E: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """out[r] = x[r] @ dequantize(w[e]).T for the rows r of group e (see the module doc); the
+    caller checks `supported`."""
+    E, N, K = w.shape
+    M = x_MK.shape[0]
+    out = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
+    xw = interleave_x(x_MK)
+    qw = w.packed.view(torch.int32)
+    grid = (num_tile_slots(M, E, BLOCK_M) * (N // BLOCK_N),)
+    _w4a16_decode_kernel[grid](xw, qw, w.scale, out, offs_E, N, K, M, E, xw.stride(0),
+                               qw.stride(0), qw.stride(1), w.scale.stride(0), w.scale.stride(1),
+                               out.stride(0), num_warps=4)  # fmt: skip
+    return out
+
+
+def grouped_mm_mxfp4_auto(x_MK: torch.Tensor, w: MXFP4Weight,
+                          offs_E: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """This kernel where `supported`, else `w4a16.grouped_mm_mxfp4` (its tuned tiles)."""
+    if supported(x_MK, w):
+        return grouped_mm_mxfp4_decode(x_MK, w, offs_E)
+    from k3kernels.moe.w4a16 import grouped_mm_mxfp4
+
+    return grouped_mm_mxfp4(x_MK, w, offs_E)
+
+
+if gluon is not None:
+    # the MMA: 4 warps along the 128 columns (2 m16 tiles each), 8 rows
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 8])  # fmt: skip
+    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    # a step's words [j 8, q 4, c 64] of columns (c & 7) + 16 ((c >> 3) & 3) + 64 (c >> 5); the
+    # same + 8 as a second tensor: the A fragments' register, lane and warp bits
+    WORDS: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[1, 0, 0], [2, 0, 0], [4, 0, 0], [0, 0, 32]],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
+        warp_bases=[[0, 0, 8], [0, 0, 16]], block_bases=[], shape=[8, 4, 64])
+    # scale bytes [2, q 4, c 64]: groups 2 q and 2 q + 1 of the step
+    SCALES: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[1, 0, 0], [0, 0, 32]],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
+        warp_bases=[[0, 0, 8], [0, 0, 16]], block_bases=[], shape=[2, 4, 64])
+    # interleaved x words [q 4, i 8, word 4, row 8]: thread (q, row) holds its quarter's 32
+    X_WORDS: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
+        lane_bases=[[1, 0, 0, 0], [2, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]],
+        warp_bases=[[0, 0, 0, 0], [0, 0, 0, 0]], block_bases=[], shape=[4, 8, 4, 8])
+    X_QIW: gl.constexpr = gl.SliceLayout(3, X_WORDS)
+    X_QI: gl.constexpr = gl.SliceLayout(2, X_WORDS)
+    EXPERTS: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    OUT: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [4, 1], [0, 1])
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _step(w, v, s, u, x, acc0, acc1):
+        """One 256-input step: words w (columns c) and v (c + 8), their scale bytes s and u, x's
+        words; the products into acc0 (k16 tiles with t = 0) and acc1 (t = 1)."""
+        w = gl.reshape(w, [8, 4, 2, 4, 8])  # j, q, c as (c >> 5, (c >> 3) & 3, c & 7)
+        v = gl.reshape(v, [8, 4, 2, 4, 8])
+        w = gl.join(w, w)
+        v = gl.join(v, v)
+        w = gl.join(w, w)
+        v = gl.join(v, v)  # + t, b
+        w = gl.join(w, v)  # + h (column + 8)
+        w = gl.join(w, w)  # + e: 16 copies of the two words per thread, in fragment order
+        s = gl.join(s, s)
+        s = gl.join(s, s)  # [jh, q, c, 2, 2]: j = 4 jh + 2 a + b
+        s = gl.reshape(gl.permute(s, (0, 3, 4, 1, 2)), [8, 4, 2, 4, 8])
+        u = gl.join(u, u)
+        u = gl.join(u, u)
+        u = gl.reshape(gl.permute(u, (0, 3, 4, 1, 2)), [8, 4, 2, 4, 8])
+        s = gl.join(s, s)
+        u = gl.join(u, u)
+        s = gl.join(s, s)
+        u = gl.join(u, u)
+        s = gl.join(s, u)
+        s = gl.join(s, s)
+        # $8 / $10: the words of columns c and c + 8, $24 / $26 their scale bytes; outputs:
+        # codes (0, 2), (4, 6), (1, 3), (5, 7) of each, interleaved by column: two A quads
+        y = gl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t, p, r;
+            mad.lo.u32 p, $24, 0x00800080, 0x3F003F00;
+            mad.lo.u32 r, $26, 0x00800080, 0x3F003F00;
+            and.b32 t, $8, 0x81C081C0;
+            mul.rn.bf16x2 $0, t, p;
+            and.b32 t, $10, 0x81C081C0;
+            mul.rn.bf16x2 $1, t, r;
+            shf.r.wrap.b32 t, $8, $8, 3;
+            and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $2, t, p;
+            shf.r.wrap.b32 t, $10, $10, 3;
+            and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $3, t, r;
+            shf.r.wrap.b32 t, $8, $8, 6;
+            and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $4, t, p;
+            shf.r.wrap.b32 t, $10, $10, 6;
+            and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $5, t, r;
+            and.b32 t, $8, 0x001B001B;
+            mul.lo.u32 t, t, 0x4108;
+            and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $6, t, p;
+            and.b32 t, $10, 0x001B001B;
+            mul.lo.u32 t, t, 0x4108;
+            and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $7, t, r;
+            }
+            """,
+            constraints=("=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,"
+                         "r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r"),
+            args=[w, s], dtype=gl.bfloat16, is_pure=True, pack=16)
+        # [j, q, g, w, r, t, b, h, e] -> [columns g w h r | k without t] for t = 0 and 1
+        y0, y1 = gl.split(gl.permute(y, (2, 3, 7, 4, 0, 6, 1, 8, 5)))
+        a0 = gl.convert_layout(gl.reshape(y0, [128, 128]), A_OP, assert_trivial=True)
+        a1 = gl.convert_layout(gl.reshape(y1, [128, 128]), A_OP, assert_trivial=True)
+        x = gl.reshape(x, [4, 32, 8])  # q, word 4 j + 2 w1 + w0, row
+        x = gl.join(x, x)
+        # pairs (input p, p + 2) from the words' halves: element d + 2 w0 + 4 w1 is e, b, t
+        x = gl.inline_asm_elementwise(
+            asm="prmt.b32 $0, $4, $6, 0x5410; prmt.b32 $1, $8, $10, 0x5410; "
+                "prmt.b32 $2, $4, $6, 0x7632; prmt.b32 $3, $8, $10, 0x7632;",
+            constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r", args=[x], dtype=gl.bfloat16,
+            is_pure=True, pack=8)  # fmt: skip
+        x = gl.reshape(x, [4, 8, 2, 2, 8, 2])  # q, j, t, b, row, e
+        x0, x1 = gl.split(gl.permute(x, (1, 3, 0, 5, 4, 2)))  # j, b, q, e, row | t
+        b0 = gl.convert_layout(gl.reshape(x0, [128, 8]), B_OP, assert_trivial=True)
+        b1 = gl.convert_layout(gl.reshape(x1, [128, 8]), B_OP, assert_trivial=True)
+        return mma_v2(a0, b0, acc0), mma_v2(a1, b1, acc1)
+
+    @gluon.jit
+    def _prefetch(ptrs):
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+    @gluon.jit
+    def _w4a16_decode_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, M, E, stride_xw,
+                             stride_qe, stride_qn, stride_se, stride_sn,
+                             stride_out):  # fmt: skip
+        """x_ptr: interleaved x as int32 words, q_ptr: the packed words as int32; strides in
+        elements. Program: tile t of the experts' 8-row tiles (expert-major) x column block."""
+        pid = gl.program_id(0)
+        num_n = N // 128
+        ee = gl.arange(0, 128, layout=EXPERTS)
+        ends = gl.load(offs_ptr + ee, mask=ee < E, other=0)
+        starts = gl.load(offs_ptr + ee - 1, mask=(ee > 0) & (ee < E), other=0)
+        tiles = gl.where(ee < E, (ends - starts + 7) // 8, 0)
+        tile_ends = gl.associative_scan(tiles, 0, _add)
+        expert = gl.sum((tile_ends <= pid // num_n).to(gl.int32), 0)
+        if expert >= E:  # past the last tile
+            return
+        mine = ee == expert
+        group_size = gl.sum(gl.where(mine, tiles, 0), 0)
+        local = pid - (gl.sum(gl.where(mine, tile_ends, 0), 0) - group_size) * num_n
+        first = gl.sum(gl.where(mine, starts, 0), 0) + (local % group_size) * 8
+        n_block = local // group_size
+        end = gl.sum(gl.where(mine, ends, 0), 0)
+
+        jj = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, WORDS)))
+        qq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WORDS)))
+        cc = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, WORDS)))
+        cols = n_block * 128 + (cc & 7) + ((cc >> 3) & 3) * 16 + (cc >> 5) * 64
+        w_ptrs = (q_ptr + expert.to(gl.int64) * stride_qe
+                  + gl.expand_dims(gl.expand_dims(cols.to(gl.int64) * stride_qn, 0), 1)
+                  + gl.expand_dims(gl.expand_dims(jj, 1), 2)
+                  + gl.expand_dims(gl.expand_dims(qq, 0), 2) * 8)  # fmt: skip
+        v_ptrs = w_ptrs + 8 * stride_qn
+        hs = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
+        qs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
+        cs = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
+        scols = n_block * 128 + (cs & 7) + ((cs >> 3) & 3) * 16 + (cs >> 5) * 64
+        s_ptrs = (s_ptr + expert.to(gl.int64) * stride_se
+                  + gl.expand_dims(gl.expand_dims(scols.to(gl.int64) * stride_sn, 0), 1)
+                  + gl.expand_dims(gl.expand_dims(hs, 1), 2)
+                  + gl.expand_dims(gl.expand_dims(qs, 0), 2) * 2)  # fmt: skip
+        u_ptrs = s_ptrs + 8 * stride_sn
+        pq = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(0, WORDS)))
+        pc = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(0, WORDS)))
+        pcols = n_block * 128 + (pc & 7) + ((pc >> 3) & 3) * 16 + (pc >> 5) * 64
+        p_ptrs = (q_ptr + expert.to(gl.int64) * stride_qe
+                  + gl.expand_dims(pcols.to(gl.int64) * stride_qn, 0)
+                  + gl.expand_dims(pq * 8, 1))  # fmt: skip
+        xq = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, X_QIW)))
+        xi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, X_QIW)))
+        xw = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, X_QIW)))
+        xr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, X_QI)))
+        rows = gl.minimum(first + xr, M - 1)  # rows past the group: read, not stored
+        x_ptrs = (x_ptr + gl.expand_dims(gl.expand_dims(gl.expand_dims(
+                      rows.to(gl.int64) * stride_xw, 0), 1), 2)
+                  + gl.expand_dims(gl.expand_dims(gl.expand_dims(xq * 4, 1), 2)
+                                   + gl.expand_dims(gl.expand_dims(xi * 16, 0), 2)
+                                   + gl.expand_dims(gl.expand_dims(xw, 0), 1), 3))  # fmt: skip
+
+        acc0 = gl.full([128, 8], 0.0, gl.float32, MMA)
+        acc1 = gl.full([128, 8], 0.0, gl.float32, MMA)
+        steps = K // 256  # even (`supported`)
+        wA = gl.load(w_ptrs)
+        vA = gl.load(v_ptrs)
+        sA = gl.load(s_ptrs).to(gl.int32)
+        uA = gl.load(u_ptrs).to(gl.int32)
+        xA = gl.load(x_ptrs)
+        for i in range(0, steps, 2):
+            wB = gl.load(w_ptrs + (i + 1) * 32)
+            vB = gl.load(v_ptrs + (i + 1) * 32)
+            sB = gl.load(s_ptrs + (i + 1) * 8).to(gl.int32)
+            uB = gl.load(u_ptrs + (i + 1) * 8).to(gl.int32)
+            xB = gl.load(x_ptrs + (i + 1) * 128)
+            ahead = gl.minimum(i + 3, steps - 1)
+            _prefetch(p_ptrs + ahead * 32)
+            _prefetch(p_ptrs + 8 * stride_qn + ahead * 32)
+            acc0, acc1 = _step(wA, vA, sA, uA, xA, acc0, acc1)
+            nxt = gl.minimum(i + 2, steps - 1)
+            wA = gl.load(w_ptrs + nxt * 32)
+            vA = gl.load(v_ptrs + nxt * 32)
+            sA = gl.load(s_ptrs + nxt * 8).to(gl.int32)
+            uA = gl.load(u_ptrs + nxt * 8).to(gl.int32)
+            xA = gl.load(x_ptrs + nxt * 128)
+            ahead = gl.minimum(i + 4, steps - 1)
+            _prefetch(p_ptrs + ahead * 32)
+            _prefetch(p_ptrs + 8 * stride_qn + ahead * 32)
+            acc0, acc1 = _step(wB, vB, sB, uB, xB, acc0, acc1)
+
+        acc = gl.convert_layout(acc0 + acc1, OUT)
+        on = gl.arange(0, 128, layout=gl.SliceLayout(1, OUT))
+        orow = first + gl.arange(0, 8, layout=gl.SliceLayout(0, OUT))
+        ocol = n_block * 128 + on
+        o_ptrs = (out_ptr + gl.expand_dims(orow.to(gl.int64) * stride_out, 0)
+                  + gl.expand_dims(ocol, 1))  # fmt: skip
+        gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty),
+                 mask=gl.expand_dims(orow < end, 0) & gl.expand_dims(ocol < N, 1))
