@@ -6,7 +6,7 @@ weights; rows after offs[-1] unwritten) for the shapes `supported` accepts; the 
 `grouped_mm_mxfp4_auto` sends everything else to that kernel (Gluon has no CPU interpreter).
 
 Each program computes 128 output columns x 8 rows of one expert: the weights are the MMA's A
-operand (m16n8k16: 16 columns an instruction, half the tree kernel's MMAs), the rows its N.
+operand (m16n8k16: 16 columns an instruction, half the Triton kernel's MMAs), the rows its N.
 The MMA's K order is free as long as both operands share it, so it is chosen for the unpacking:
 within a 256-input step, k-slot 32 j + 16 t + 8 b + 2 q + e carries input 64 q + 8 j + t + 4 b
 + 2 e. Thread q (lane % 4) then reads the 8 consecutive words 8 q .. 8 q + 7 of its columns
@@ -18,12 +18,12 @@ step, the 16-byte chunk i of quarter q at position 4 i + q), so that a row's 4 t
 contiguous bytes per load: read in place, each load touched 32 cache lines and the kernel was
 bound by L1 (93% busy under ncu). Two K steps per loop iteration, each loading the other's
 next step into registers, L2 prefetch 3-4 steps ahead, two accumulators by k16-tile parity.
-SASS (sm_90, triton 3.6 and 3.9): ~532 instructions per K step of 128 x 256 weights (the tree
-kernel: 688), 166 registers (3 programs an SM).
+SASS (sm_90, triton 3.6 and 3.9): ~532 instructions per K step of 128 x 256 weights (the Triton
+kernel: 688), 168 registers (3 programs an SM).
 
 One H200, 7 k3-slice layers, both GEMMs, CUDA-graph replays, % of the copy bandwidth on the
 packed bytes (`benchmarks/kernels_h200.txt`, seventh session; x interleaved beforehand):
-tokens 1: 27% (the tree kernel: 30%, so `MIN_ROWS` keeps it), 2: 44-46 (43), 4: 62-63 (54-55),
+tokens 1: 27% (the Triton kernel: 30%, so `MIN_ROWS` keeps it), 2: 44-46 (43), 4: 62-63 (54-55),
 8: 68 (62), 16: 72 (66-68), 64: 77 (65-73), 256: 66-72 (65-68). The interleaving copy of x costs
 1-5 points at 2-16 tokens.
 Shape legend: M sorted rows, K input width, N output width, E experts.
@@ -38,14 +38,14 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-except ImportError:  # a Triton without Gluon: the tree kernel serves every shape
+except ImportError:  # a Triton without Gluon: the Triton kernel serves every shape
     gluon = None
 
 BLOCK_N = 128  # output columns per program
 BLOCK_M = 8  # rows per program (the MMA's N)
 STEP = 256  # inputs per K step
 MAX_EXPERTS = 128  # the group-end scan's width
-MIN_ROWS = 4  # fewer sorted rows (1 token at top-2): the tree kernel is faster
+MIN_ROWS = 4  # fewer sorted rows (1 token at top-2): the Triton kernel is faster
 
 
 def supported(x_MK: torch.Tensor, w: MXFP4Weight) -> bool:
