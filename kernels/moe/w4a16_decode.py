@@ -33,6 +33,7 @@ import torch
 
 from k3kernels.moe.grouped_gemm_triton import _INTERPRETED, num_tile_slots, regime
 from k3kernels.moe.mxfp4 import MXFP4Weight
+from k3kernels.moe.w4a16 import grouped_mm_mxfp4
 
 try:
     from triton.experimental import gluon
@@ -90,8 +91,6 @@ def grouped_mm_mxfp4_auto(x_MK: torch.Tensor, w: MXFP4Weight,
     """This kernel where `supported`, else `w4a16.grouped_mm_mxfp4` (its tuned tiles)."""
     if supported(x_MK, w):
         return grouped_mm_mxfp4_decode(x_MK, w, offs_E)
-    from k3kernels.moe.w4a16 import grouped_mm_mxfp4
-
     return grouped_mm_mxfp4(x_MK, w, offs_E)
 
 
@@ -206,9 +205,32 @@ if gluon is not None:
         return mma_v2(a0, b0, acc0), mma_v2(a1, b1, acc1)
 
     @gluon.jit
-    def _prefetch(ptrs):
-        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+    def _prefetch(ptrs, hi, step):
+        """Step `step` of the words ptrs (a column's first word per thread) and ptrs + hi into
+        L2."""
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                                  [ptrs + step * 32], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                                  [ptrs + hi + step * 32], dtype=gl.int32, is_pure=False,
+                                  pack=1)  # fmt: skip
+
+    @gluon.jit
+    def _load_step(w_ptrs, v_ptrs, s_ptrs, u_ptrs, x_ptrs, step):
+        """Step `step`'s words (columns c and c + 8), their scale bytes and x's words."""
+        return (gl.load(w_ptrs + step * 32), gl.load(v_ptrs + step * 32),
+                gl.load(s_ptrs + step * 8).to(gl.int32), gl.load(u_ptrs + step * 8).to(gl.int32),
+                gl.load(x_ptrs + step * 128))  # fmt: skip
+
+    @gluon.jit
+    def _columns(n_block, c):
+        """Output column of index c of block n_block, in the A fragments' order (`WORDS`)."""
+        return n_block * 128 + (c & 7) + ((c >> 3) & 3) * 16 + (c >> 5) * 64
+
+    @gluon.jit
+    def _grid(d, q, c):
+        """d [D0] + q [4] + c [64] (slices of one 3D layout) broadcast to [D0, 4, 64]."""
+        return (gl.expand_dims(gl.expand_dims(d, 1), 2) + gl.expand_dims(gl.expand_dims(q, 0), 2)
+                + gl.expand_dims(gl.expand_dims(c, 0), 1))  # fmt: skip
 
     @gluon.jit
     def _w4a16_decode_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, M, E, stride_xw,
@@ -236,26 +258,19 @@ if gluon is not None:
         jj = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, WORDS)))
         qq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WORDS)))
         cc = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, WORDS)))
-        cols = n_block * 128 + (cc & 7) + ((cc >> 3) & 3) * 16 + (cc >> 5) * 64
-        w_ptrs = (q_ptr + expert.to(gl.int64) * stride_qe
-                  + gl.expand_dims(gl.expand_dims(cols.to(gl.int64) * stride_qn, 0), 1)
-                  + gl.expand_dims(gl.expand_dims(jj, 1), 2)
-                  + gl.expand_dims(gl.expand_dims(qq, 0), 2) * 8)  # fmt: skip
+        w_ptrs = q_ptr + expert.to(gl.int64) * stride_qe + _grid(  # word 8 q + j of the step
+            jj, qq * 8, _columns(n_block, cc).to(gl.int64) * stride_qn)
         v_ptrs = w_ptrs + 8 * stride_qn
         hs = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
         qs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
         cs = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
-        scols = n_block * 128 + (cs & 7) + ((cs >> 3) & 3) * 16 + (cs >> 5) * 64
-        s_ptrs = (s_ptr + expert.to(gl.int64) * stride_se
-                  + gl.expand_dims(gl.expand_dims(scols.to(gl.int64) * stride_sn, 0), 1)
-                  + gl.expand_dims(gl.expand_dims(hs, 1), 2)
-                  + gl.expand_dims(gl.expand_dims(qs, 0), 2) * 2)  # fmt: skip
+        s_ptrs = s_ptr + expert.to(gl.int64) * stride_se + _grid(  # group 2 q + jh
+            hs, qs * 2, _columns(n_block, cs).to(gl.int64) * stride_sn)
         u_ptrs = s_ptrs + 8 * stride_sn
         pq = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(0, WORDS)))
         pc = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(0, WORDS)))
-        pcols = n_block * 128 + (pc & 7) + ((pc >> 3) & 3) * 16 + (pc >> 5) * 64
         p_ptrs = (q_ptr + expert.to(gl.int64) * stride_qe
-                  + gl.expand_dims(pcols.to(gl.int64) * stride_qn, 0)
+                  + gl.expand_dims(_columns(n_block, pc).to(gl.int64) * stride_qn, 0)
                   + gl.expand_dims(pq * 8, 1))  # fmt: skip
         xq = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, X_QIW)))
         xi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, X_QIW)))
@@ -271,30 +286,14 @@ if gluon is not None:
         acc0 = gl.full([128, 8], 0.0, gl.float32, MMA)
         acc1 = gl.full([128, 8], 0.0, gl.float32, MMA)
         steps = K // 256  # even (`supported`)
-        wA = gl.load(w_ptrs)
-        vA = gl.load(v_ptrs)
-        sA = gl.load(s_ptrs).to(gl.int32)
-        uA = gl.load(u_ptrs).to(gl.int32)
-        xA = gl.load(x_ptrs)
+        wA, vA, sA, uA, xA = _load_step(w_ptrs, v_ptrs, s_ptrs, u_ptrs, x_ptrs, 0)
         for i in range(0, steps, 2):
-            wB = gl.load(w_ptrs + (i + 1) * 32)
-            vB = gl.load(v_ptrs + (i + 1) * 32)
-            sB = gl.load(s_ptrs + (i + 1) * 8).to(gl.int32)
-            uB = gl.load(u_ptrs + (i + 1) * 8).to(gl.int32)
-            xB = gl.load(x_ptrs + (i + 1) * 128)
-            ahead = gl.minimum(i + 3, steps - 1)
-            _prefetch(p_ptrs + ahead * 32)
-            _prefetch(p_ptrs + 8 * stride_qn + ahead * 32)
+            wB, vB, sB, uB, xB = _load_step(w_ptrs, v_ptrs, s_ptrs, u_ptrs, x_ptrs, i + 1)
+            _prefetch(p_ptrs, 8 * stride_qn, gl.minimum(i + 3, steps - 1))
             acc0, acc1 = _step(wA, vA, sA, uA, xA, acc0, acc1)
-            nxt = gl.minimum(i + 2, steps - 1)
-            wA = gl.load(w_ptrs + nxt * 32)
-            vA = gl.load(v_ptrs + nxt * 32)
-            sA = gl.load(s_ptrs + nxt * 8).to(gl.int32)
-            uA = gl.load(u_ptrs + nxt * 8).to(gl.int32)
-            xA = gl.load(x_ptrs + nxt * 128)
-            ahead = gl.minimum(i + 4, steps - 1)
-            _prefetch(p_ptrs + ahead * 32)
-            _prefetch(p_ptrs + 8 * stride_qn + ahead * 32)
+            wA, vA, sA, uA, xA = _load_step(w_ptrs, v_ptrs, s_ptrs, u_ptrs, x_ptrs,
+                                            gl.minimum(i + 2, steps - 1))  # fmt: skip
+            _prefetch(p_ptrs, 8 * stride_qn, gl.minimum(i + 4, steps - 1))
             acc0, acc1 = _step(wB, vB, sB, uB, xB, acc0, acc1)
 
         acc = gl.convert_layout(acc0 + acc1, OUT)
