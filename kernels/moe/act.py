@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3kernels.moe.interleave import STEP, interleaved_column
+
 # Launch settings, the best of 24 on one H200 (SiTU, bf16; `benchmarks/kernels_h200.txt`): two
 # rows of 1,024 columns per program from 4,096 rows on (16,384 x 3,072: 0.103 ms, 69% of the copy
 # bandwidth, against 0.111 with one row), one row below (512 x 3,072: fewer, fuller waves).
@@ -36,8 +38,8 @@ def _sigmoid(z):
 
 @triton.jit
 def gated_act_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_out, M, I, beta,
-                     linear_beta, IS_SITU: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_I: tl.constexpr):  # fmt: skip
+                     linear_beta, IS_SITU: tl.constexpr, INTERLEAVE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):  # fmt: skip
     row = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
     col = (tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I))[None, :]
     mask = (row < M) & (col < I)
@@ -48,7 +50,8 @@ def gated_act_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_out, M, I
         y = beta * t_g * _sigmoid(g) * (linear_beta * t_u)
     else:
         y = g * _sigmoid(g) * u
-    tl.store(out_ptr + row * stride_out + col, y.to(out_ptr.dtype.element_ty), mask=mask)
+    dst = interleaved_column(col) if INTERLEAVE else col
+    tl.store(out_ptr + row * stride_out + dst, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def gated_act(gate_MI: torch.Tensor, up_MI: torch.Tensor, act: str, beta: float = 4.0,
@@ -65,15 +68,19 @@ def gated_act(gate_MI: torch.Tensor, up_MI: torch.Tensor, act: str, beta: float 
     return _launch(g, u, act, beta, linear_beta).view(gate_MI.shape)
 
 
-def moe_act(h_MF: torch.Tensor, act: str, beta: float = 4.0, linear_beta: float = 25.0):
-    """act(gate, up) of h [M, 2 I] (unit column stride) -> [M, I] in h's dtype."""
+def moe_act(h_MF: torch.Tensor, act: str, beta: float = 4.0, linear_beta: float = 25.0,
+            interleave: bool = False) -> torch.Tensor:  # fmt: skip
+    """act(gate, up) of h [M, 2 I] (unit column stride) -> [M, I] in h's dtype; interleave:
+    its columns in the order of `k3kernels.moe.interleave` (I a multiple of 256)."""
     M, F = h_MF.shape
-    if F % 2 or h_MF.stride(-1) != 1:
-        raise ValueError(f"moe_act needs [M, 2 I] rows with unit column stride, got {h_MF.shape}")
-    return _launch(h_MF[:, : F // 2], h_MF[:, F // 2 :], act, beta, linear_beta)
+    if F % 2 or h_MF.stride(-1) != 1 or (interleave and F // 2 % STEP):
+        raise ValueError(f"moe_act needs [M, 2 I] rows with unit column stride (I a multiple "
+                         f"of {STEP} to interleave), got {h_MF.shape}")  # fmt: skip
+    return _launch(h_MF[:, : F // 2], h_MF[:, F // 2 :], act, beta, linear_beta,
+                   interleave=interleave)  # fmt: skip
 
 
-def _launch(g_MI, u_MI, act, beta, linear_beta, block_m=None):
+def _launch(g_MI, u_MI, act, beta, linear_beta, block_m=None, interleave=False):
     if act not in ("situ", "silu"):
         raise ValueError(f"unknown gated activation {act!r}; known: situ, silu")
     M, I = g_MI.shape
@@ -86,5 +93,5 @@ def _launch(g_MI, u_MI, act, beta, linear_beta, block_m=None):
     grid = (triton.cdiv(M, block_m), triton.cdiv(I, block_i))
     gated_act_kernel[grid](g_MI, u_MI, out, g_MI.stride(0), u_MI.stride(0), out.stride(0), M, I,
                            float(beta), float(linear_beta), IS_SITU=act == "situ",
-                           BLOCK_M=block_m, BLOCK_I=block_i, num_warps=NUM_WARPS)  # fmt: skip
+                           INTERLEAVE=interleave, BLOCK_M=block_m, BLOCK_I=block_i, num_warps=NUM_WARPS)  # fmt: skip
     return out

@@ -6,10 +6,13 @@ Steps: `sort_slots` orders the T k token slots by expert (at decode sizes with T
 single-launch counting sort of `route.py`); the slots' input rows are gathered
 ([M, D], M = T k); one grouped GEMM with the fused gate-up weights w13 [E, 2 I, D] gives
 [M, 2 I]; `moe_act` gives [M, I]; a grouped GEMM with w2 [E, D, I] gives [M, D]; `moe_combine`
-sums each token's k rows times its router weights in fp32. With `use_triton=False` the two
+sums each token's k rows times its router weights in fp32. For the Gluon W4A16 decode kernel the
+gather and `moe_act` write their rows in its column order (`k3kernels.moe.interleave`). With `use_triton=False` the two
 elementwise steps run as plain torch (same math), which is the CPU path of the model.
 Shape legend: T tokens, D input width, I expert width, E local experts, k top-k, M = T k.
 """
+
+from functools import partial
 
 import torch
 
@@ -42,7 +45,7 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
         use_triton = x_TD.is_cuda
     if isinstance(w13_EFD, MXFP4Weight) and not use_triton:  # the reference path
         w13_EFD, w2_EDI = w13_EFD.dequantize(x_TD.dtype), w2_EDI.dequantize(x_TD.dtype)
-    gemm = _pick_gemm(w13_EFD, w2_EDI, ids_Tk, x_TD.is_cuda, gemm_impl)
+    gemm, interleave = _pick_gemm(w13_EFD, w2_EDI, ids_Tk, x_TD, gemm_impl)
     T = x_TD.shape[0]
     if T == 0:
         return torch.zeros(0, w2_EDI.shape[1], dtype=torch.float32, device=x_TD.device)
@@ -53,13 +56,18 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
         if ids_Tk.numel() <= route.MAX_SLOTS:  # decode: one launch, not a dozen
             sort = route.sort_slots
     order = sort(ids_Tk, w13_EFD.shape[0], first_expert)
-    x_MD = x_TD.index_select(0, order.token_M)
+    if interleave:  # the Gluon decode kernel's column order, written by the gather and act
+        from k3kernels.moe.interleave import gather_interleaved
+
+        x_MD = gather_interleaved(x_TD, order.token_M)
+    else:
+        x_MD = x_TD.index_select(0, order.token_M)
     h_MF = gemm(x_MD, w13_EFD, order.offs_E)
     if use_triton:
         from k3kernels.moe.act import moe_act
         from k3kernels.moe.combine import moe_combine
 
-        h_MI = moe_act(h_MF, act, beta, linear_beta)
+        h_MI = moe_act(h_MF, act, beta, linear_beta, interleave=interleave)
         y_MD = gemm(h_MI, w2_EDI, order.offs_E)
         return moe_combine(y_MD, order.slot_pos_Tk, weights_Tk, order.valid_Tk)
     h_MI = gated_act_reference(h_MF, act, beta, linear_beta).to(h_MF.dtype)
@@ -70,17 +78,20 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
 GEMM_IMPLS = ("auto", "torch", "triton")  # gemm_impl of `fused_experts`
 
 
-def _pick_gemm(w13, w2, ids_Tk, cuda: bool, gemm_impl: str):
-    """The grouped GEMM for these weights (see `fused_experts`): W4A16 for packed experts."""
-    if isinstance(w13, MXFP4Weight):  # the Gluon decode kernel where it fits, else Triton's
-        from k3kernels.moe.w4a16_decode import grouped_mm_mxfp4_auto
+def _pick_gemm(w13, w2, ids_Tk, x_TD, gemm_impl: str):
+    """(the grouped GEMM for these weights (see `fused_experts`), whether it reads its rows
+    interleaved): W4A16 for packed experts, the Gluon decode kernel where it takes both."""
+    if isinstance(w13, MXFP4Weight):
+        from k3kernels.moe import w4a16_decode as G
 
-        return grouped_mm_mxfp4_auto
+        if all(G.supported(x_TD, w, ids_Tk.numel()) for w in (w13, w2)):
+            return partial(G.grouped_mm_mxfp4_decode, interleaved=True), True
+        return G.grouped_mm_mxfp4_auto, False
     if gemm_impl == "auto":
         from k3kernels.moe.grouped_gemm_triton import regime, tma_ready
 
         decode = regime(ids_Tk.numel(), w13.shape[0]) == "decode"
-        hopper = cuda and torch.cuda.get_device_capability(w13.device) >= (9, 0)
+        hopper = x_TD.is_cuda and torch.cuda.get_device_capability(w13.device) >= (9, 0)
         # TMA reads the weights and the rows of x (D or I wide, contiguous)
         tma = all(tma_ready(w) and w.shape[-1] * w.element_size() % 16 == 0 for w in (w13, w2))
         fast = hopper and tma and (decode or w13.dtype == torch.bfloat16)
@@ -88,7 +99,7 @@ def _pick_gemm(w13, w2, ids_Tk, cuda: bool, gemm_impl: str):
     if gemm_impl == "triton":
         from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton
 
-        return grouped_mm_triton
+        return grouped_mm_triton, False
     if gemm_impl == "torch":
-        return grouped_mm
+        return grouped_mm, False
     raise ValueError(f"unknown gemm_impl {gemm_impl!r}; known: {', '.join(GEMM_IMPLS)}")

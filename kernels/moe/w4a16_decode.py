@@ -13,10 +13,11 @@ within a 256-input step, k-slot 32 j + 16 t + 8 b + 2 q + e carries input 64 q +
 (two 16-byte loads), and one word of 8 codes, unpacked by the PTX of `w4a16._e2m1_words_bf16`
 (12 instructions), is the A fragments of two k16 tiles; one asm unpacks the words of columns c
 and c + 8 so that its outputs are the fragments' register quads. x's pairs are built to match
-by 4 byte permutes per 8 inputs. x is read interleaved (`interleave_x`: within each 256-input
-step, the 16-byte chunk i of quarter q at position 4 i + q), so that a row's 4 threads read 64
-contiguous bytes per load: read in place, each load touched 32 cache lines and the kernel was
-bound by L1 (93% busy under ncu). Two K steps per loop iteration, each loading the other's
+by 4 byte permutes per 8 inputs. x is read interleaved (`k3kernels.moe.interleave`: within
+each 256-input step, the 16-byte chunk i of quarter q at position 4 i + q), so that a row's 4
+threads read 64 contiguous bytes per load: read in place, each load touched 32 cache lines and
+the kernel was bound by L1 (93% busy under ncu). The routed pass has its gather and activation
+write that order (`interleaved=True`); other callers get a copy. Two K steps per loop iteration, each loading the other's
 next step into registers, L2 prefetch 3-4 steps ahead, two accumulators by k16-tile parity.
 SASS (sm_90, triton 3.6 and 3.9): ~532 instructions per K step of 128 x 256 weights (the Triton
 kernel: 688), 168 registers (3 programs an SM).
@@ -24,14 +25,15 @@ kernel: 688), 168 registers (3 programs an SM).
 One H200, 7 k3-slice layers, both GEMMs, CUDA-graph replays, % of the copy bandwidth on the
 packed bytes (`benchmarks/kernels_h200.txt`, seventh session; x interleaved beforehand):
 tokens 1: 27% (the Triton kernel: 30%, so `MIN_ROWS` keeps it), 2: 44-46 (43), 4: 62-63 (54-55),
-8: 68 (62), 16: 72 (66-68), 64: 77 (65-73), 256: 66-72 (65-68). The interleaving copy of x costs
-1-5 points at 2-16 tokens.
+8: 68 (62), 16: 72 (66-68), 64: 77 (65-73), 256: 66-72 (65-68). An interleaving copy of x
+costs 1-5 points at 2-16 tokens.
 Shape legend: M sorted rows, K input width, N output width, E experts.
 """
 
 import torch
 
 from k3kernels.moe.grouped_gemm_triton import _INTERPRETED, num_tile_slots, regime
+from k3kernels.moe.interleave import STEP, gather_interleaved
 from k3kernels.moe.mxfp4 import MXFP4Weight
 from k3kernels.moe.w4a16 import grouped_mm_mxfp4
 
@@ -44,40 +46,33 @@ except ImportError:  # a Triton without Gluon: the Triton kernel serves every sh
 
 BLOCK_N = 128  # output columns per program
 BLOCK_M = 8  # rows per program (the MMA's N)
-STEP = 256  # inputs per K step
 MAX_EXPERTS = 128  # the group-end scan's width
 MIN_ROWS = 4  # fewer sorted rows (1 token at top-2): the Triton kernel is faster
 
 
-def supported(x_MK: torch.Tensor, w: MXFP4Weight) -> bool:
-    """Whether this kernel takes x and w: bf16 rows on an sm_90+ GPU at decode sizes, K a
-    multiple of 2 steps, N of 128, at most 128 experts, small scales (`MXFP4Weight`)."""
+def supported(x: torch.Tensor, w: MXFP4Weight, num_rows: int | None = None) -> bool:
+    """Whether this kernel takes x's rows (num_rows of them, default all) times w: bf16 rows on
+    an sm_90+ GPU at decode sizes, K a multiple of 2 steps, N of 128, at most 128 experts,
+    small scales (`MXFP4Weight`)."""
     E, N, K = w.shape
-    M = x_MK.shape[0]
-    return (gluon is not None and not _INTERPRETED and x_MK.is_cuda
-            and x_MK.dtype == torch.bfloat16 and x_MK.stride(-1) == 1
-            and torch.cuda.get_device_capability(x_MK.device) >= (9, 0)
+    M = x.shape[0] if num_rows is None else num_rows
+    return (gluon is not None and not _INTERPRETED and x.is_cuda
+            and x.dtype == torch.bfloat16 and x.stride(-1) == 1
+            and torch.cuda.get_device_capability(x.device) >= (9, 0)
             and MIN_ROWS <= M and regime(M, E) == "decode" and E <= MAX_EXPERTS
             and K % (2 * STEP) == 0 and N % BLOCK_N == 0 and w.small_scales
             and w.packed.is_contiguous() and w.scale.stride(-1) == 1)  # fmt: skip
 
 
-def interleave_x(x_MK: torch.Tensor) -> torch.Tensor:
-    """[M, K] bf16 -> [M, K / 2] int32 (bf16 pairs): within each 256-input step, the 16-byte
-    chunk i (inputs 8 i .. 8 i + 7) of quarter q at chunk position 4 i + q."""
-    M, K = x_MK.shape
-    v = x_MK.contiguous().view(torch.int32).view(M, K // STEP, 4, 8, 4)  # quarter, chunk, word
-    return v.transpose(2, 3).contiguous().view(M, K // 2)
-
-
-def grouped_mm_mxfp4_decode(x_MK: torch.Tensor, w: MXFP4Weight,
-                            offs_E: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def grouped_mm_mxfp4_decode(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
+                            interleaved: bool = False) -> torch.Tensor:  # fmt: skip
     """out[r] = x[r] @ dequantize(w[e]).T for the rows r of group e (see the module doc); the
-    caller checks `supported`."""
+    caller checks `supported`. interleaved: x's columns are already in the order of
+    `k3kernels.moe.interleave` (else a copy puts them so)."""
     E, N, K = w.shape
     M = x_MK.shape[0]
     out = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
-    xw = interleave_x(x_MK)
+    xw = (x_MK if interleaved else gather_interleaved(x_MK)).view(torch.int32)
     qw = w.packed.view(torch.int32)
     grid = (num_tile_slots(M, E, BLOCK_M) * (N // BLOCK_N),)
     _w4a16_decode_kernel[grid](xw, qw, w.scale, out, offs_E, N, K, M, E, xw.stride(0),

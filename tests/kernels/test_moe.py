@@ -93,8 +93,30 @@ def _check_act(M, I, act, dtype, device):
     assert_close(f"act_{act}", ref, out, rel_rms=rel, max_abs=mx)
     rows_in_pairs = act_kernels._launch(h[:, :I], h[:, I:], act, 4.0, 25.0, block_m=2)
     assert torch.equal(rows_in_pairs, out), "rows are independent: the tile must not matter"
+    if I % 256 == 0:  # the Gluon W4A16 decode kernel's column order: the same values, moved
+        from k3kernels.moe.interleave import interleave_reference
+
+        assert torch.equal(moe_act(h, act, interleave=True), interleave_reference(out))
     out = gated_act(h[:, :I], h[:, I:], act)
     return assert_close(f"act_{act}_pair", ref, out, rel_rms=rel, max_abs=mx)
+
+
+def _check_gather_interleaved(T, K, device):
+    """Rows gathered (repeated, any order) and all rows, against index_select then the
+    interleaving views."""
+    from k3kernels.moe.interleave import gather_interleaved, interleave_reference
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, K, generator=g).to(device, torch.bfloat16)
+    rows = torch.randint(0, T, (2 * T + 1,), generator=g).to(device)
+    ref = interleave_reference(x.index_select(0, rows))
+    assert torch.equal(gather_interleaved(x, rows), ref)
+    assert torch.equal(gather_interleaved(x), interleave_reference(x))
+    wide = torch.zeros(T, K + 8, dtype=x.dtype, device=device)
+    wide[:, :K] = x  # a row stride past K
+    assert torch.equal(gather_interleaved(wide[:, :K], rows), ref)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        gather_interleaved(x[:, :128])
 
 
 def _check_combine(T, k, D, dtype, device):
@@ -286,7 +308,9 @@ def _interpreted_checks():
     for dtype in DTYPES.values():
         for act in ("situ", "silu"):
             _check_act(5, 40, act, dtype, "cpu")
+        _check_act(3, 256, "situ", dtype, "cpu")
         _check_combine(7, 3, 40, dtype, "cpu")
+    _check_gather_interleaved(5, 512, "cpu")
     for name in ("T33-D32-I24-E8-k2", "T33-D32-I24-E8-k2-ep4of8"):
         _check_experts(TINY[name], torch.float32, "cpu", use_triton=True)
     _check_grouped_mm_triton("cpu", block_n=16, block_k=16)
@@ -390,10 +414,11 @@ def test_grouped_mm_triton_gpu():
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_moe_act_and_combine_gpu(dtype):
+def test_moe_act_combine_and_gather_gpu(dtype):
     for act in ("situ", "silu"):
         _check_act(16384, 3072, act, dtype, "cuda")
     _check_combine(8192, 2, 3584, dtype, "cuda")
+    _check_gather_interleaved(64, 3584, "cuda")
 
 
 @pytest.mark.gpu
