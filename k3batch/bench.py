@@ -153,8 +153,8 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
     part's bytes at the H200's copy bandwidth or its FLOPs at the bf16 peak).
     With `profile`, one more prefill and then its first PROFILED_DECODE_STEPS decode steps
     run under the torch profiler, and the row gets "profile" and "decode_profile": the top
-    ops by self GPU time (CPU time without CUDA). moe_gemm: the bf16 routed experts' grouped
-    GEMM ("auto", "torch" or "triton": `k3kernels.moe.experts.fused_experts`), or several,
+    ops by self GPU time (CPU time without CUDA). moe_gemm: the routed experts' grouped GEMM
+    ("auto", "torch" or "triton": `k3kernels.moe.experts.fused_experts`), or several,
     comma-separated: the prefills then alternate between them in this one process (the first
     one's order reversed every other round), each the median of its PREFILL_REPEATS, as
     "prefill_by_moe_gemm" {name: [tokens/s, MFU %]}; the decode runs the first."""

@@ -20,9 +20,11 @@ dense-gemm 680.5 TFLOP/s (87.6% of 777: every GEMM here runs at the board's 700 
 clock at 1,185-1,480 of 1,980 MHz), bmm-uniform 14.88 ms, gemm-triton 17.62 ms.
 A row that fails reports its error instead of a time.
 With `--expert-dtype mxfp4` the experts are quantized and kept packed: "experts-mxfp4" and
-"gemm-mxfp4" run the W4A16 kernels the pass uses (`k3kernels.moe.w4a16_decode` where it
-applies, else `k3kernels.moe.w4a16`; swept rows: the latter's tiles), their TB/s counted on the
-packed bytes (0.53 B per weight), beside the bf16 rows on the same weights' dequantized values.
+"gemm-mxfp4" run the W4A16 kernels the pass picks (`experts.pick_gemm`: the Gluon kernel
+`k3kernels.moe.w4a16_decode` at decode sizes on sm_90, else the Triton kernel
+`k3kernels.moe.w4a16`), "experts-mxfp4-triton" and "gemm-mxfp4-triton" the Triton kernel
+always (swept rows: its tiles), their TB/s counted on the packed bytes (0.53 B per weight),
+beside the bf16 rows on the same weights' dequantized values.
 First H200 run (torch 2.11): experts 22.0 ms = 345 TFLOP/s (44% of peak), gemm 20.1 ms = 378
 TFLOP/s (49%), torch-elementwise 35.0 ms (28%): the grouped GEMMs' tile waste (see
 grouped_gemm.py) bounds this design, not the sort, activation or combine (2 ms together).
@@ -43,6 +45,7 @@ them, whose own traffic (gather, activation, combine: ~1.1 GB a layer) the roofl
 
 import itertools
 import json
+import statistics
 from functools import partial
 
 import torch
@@ -51,7 +54,7 @@ from k3batch.bench_kernels import sustained_clock, time_ms
 from k3batch.model import get_flavor
 from k3batch.roofline import BF16_TFLOPS, COPY_TBPS, roofline_ms
 from k3kernels.moe.act import moe_act
-from k3kernels.moe.experts import fused_experts
+from k3kernels.moe.experts import fused_experts, pick_gemm
 from k3kernels.moe.grouped_gemm import grouped_mm
 from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton, regime
 from k3kernels.moe.mxfp4 import round_to_mxfp4_
@@ -75,16 +78,19 @@ def _layer_inputs(config, num_tokens: int, gen, device):
 
 
 def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_layers=None,
-                   repeats: int = 10, seed: int = 0, expert_dtype: str = "bf16",
-                   sweep: bool = False, clocks: bool = False) -> list[dict]:  # fmt: skip
+                   repeats: int = 10, rounds: int = 3, seed: int = 0,
+                   expert_dtype: str = "bf16", sweep: bool = False,
+                   clocks: bool = False) -> list[dict]:  # fmt: skip
     """Rows {"impl", "ms", "tflops", "pct_peak", "weight_tbps"} for the routed experts of
     `num_layers` MoE layers (default: all of the flavor's) at `num_tokens` tokens, on CUDA,
     activations bf16. expert_dtype "mxfp4": the experts quantized and kept packed, rows
     "experts-mxfp4" / "gemm-mxfp4" (the W4A16 kernel, TB/s on the packed bytes) beside the
-    bf16 "experts" / "gemm" rows of the same weights' dequantized values. sweep: also the
-    Triton GEMM of that format over `sweep_configs` (rows named "<impl> <config json>"); the
-    best goes into the GPU's tuned table (`k3kernels/moe/tuned/`). clocks: each CUDA-graph row
-    also gets the SM clock and board power it ran at (`sustained_clock`, 3 s a row)."""
+    bf16 "experts" / "gemm" rows of the same weights' dequantized values. Each row's "ms" is
+    the median of `rounds` times ("ms_rounds"), each the median of `repeats` calls, the rows
+    taken in turn in each round. sweep: also the Triton GEMM of that format over
+    `sweep_configs` (rows named "<impl> <config json>"); the best goes into the GPU's tuned
+    table (`k3kernels/moe/tuned/`). clocks: each CUDA-graph row also gets the SM clock and
+    board power it ran at (`sustained_clock`, 3 s a row)."""
     if not torch.cuda.is_available():
         raise ValueError("bench moe needs a CUDA device")
     config = get_flavor(flavor)
@@ -136,21 +142,29 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
         for x, w13, w2, ids, w in layers:
             _loop_experts(x, w13, w2, ids, w, **kw)
 
-    def experts_mxfp4():
-        for (x, _, _, ids, w), (w13, w2) in zip(layers, packed):
-            fused_experts(x, w13, w2, ids, w, use_triton=True, **kw)
+    def experts_mxfp4(impl="auto"):
+        def run():
+            for (x, _, _, ids, w), (w13, w2) in zip(layers, packed):
+                fused_experts(x, w13, w2, ids, w, use_triton=True, gemm_impl=impl, **kw)
 
-    def gemm_mxfp4(cfg=None):
-        """The pass's W4A16 GEMMs (the Gluon decode kernel where it applies); a swept config:
-        the Triton kernel with those tiles."""
+        return run
+
+    def gemm_mxfp4(impl="auto", cfg=None):
+        """The pass's W4A16 GEMMs for gemm_impl impl (the Gluon decode kernel where it applies,
+        its rows interleaved beforehand, as the pass's gather and activation write them); a
+        swept config: the Triton kernel with those tiles."""
+        from k3kernels.moe.interleave import gather_interleaved
         from k3kernels.moe.w4a16 import grouped_mm_mxfp4
-        from k3kernels.moe.w4a16_decode import grouped_mm_mxfp4_auto
 
-        def gemm(x, w, offs):
-            return grouped_mm_mxfp4(x, w, offs, **cfg) if cfg else grouped_mm_mxfp4_auto(x, w, offs)
+        gemm, interleaved = pick_gemm(*packed[0], num_tokens * k, layers[0][0],
+                                      "triton" if cfg else impl)  # fmt: skip
+        rows = [(gather_interleaved(xs), gather_interleaved(h), offs) if interleaved
+                else (xs, h, offs) for xs, h, offs in sorted_rows]  # fmt: skip
+        if cfg:
+            gemm = partial(grouped_mm_mxfp4, **cfg)
 
         def run():
-            for (w13, w2), (xs, h, offs) in zip(packed, sorted_rows):
+            for (w13, w2), (xs, h, offs) in zip(packed, rows):
                 gemm(xs, w13, offs)
                 gemm(h, w2, offs)
 
@@ -190,7 +204,9 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
         own["bmm-uniform"] = (num_layers * 2 * R * per_layer, num_layers * per_layer * 2)
     if expert_dtype == "mxfp4":
         beside = ("experts", "gemm", "experts-triton", "gemm-triton", "dense-gemm", "bmm-uniform")
-        impls = [("experts-mxfp4", experts_mxfp4), ("gemm-mxfp4", gemm_mxfp4()),
+        impls = [("experts-mxfp4", experts_mxfp4()), ("gemm-mxfp4", gemm_mxfp4()),
+                 ("experts-mxfp4-triton", experts_mxfp4("triton")),
+                 ("gemm-mxfp4-triton", gemm_mxfp4("triton")),
                  *(row for row in impls if row[0] in beside)]  # fmt: skip
     if sweep:  # the Triton kernel of this weight format over launch configs, as "<impl> {cfg}"
         gemm = gemm_mxfp4 if expert_dtype == "mxfp4" else partial(gemm_only, impl="triton")
@@ -198,18 +214,28 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
         impls += [(f"{name} {json.dumps(cfg)}", gemm(cfg=cfg))
                   for cfg in sweep_configs(regime(num_tokens * k, config.num_experts) == "decode",
                                            bf16=expert_dtype == "bf16")]  # fmt: skip
+    times = {impl: [] for impl, _ in impls}
+    errors = {}
+    for _ in range(rounds):  # the rows in turn: a drift of the GPU's clocks and power over the
+        for impl, fn in impls:  # run must not favour the rows timed first or last
+            if impl in errors:
+                continue
+            try:  # "loop-before" reads counts on the host: eager
+                times[impl].append(time_ms(fn, repeats, graph=impl != "loop-before"))
+            except Exception as e:  # an experimental row must not hide the others
+                errors[impl] = f"{type(e).__name__}: {e}"[:300]
     for impl, fn in impls:
-        try:
-            ms = time_ms(fn, repeats, graph=impl != "loop-before")  # it reads counts on the host
-        except Exception as e:  # an experimental row must not hide the others
-            rows.append({"impl": impl, "error": f"{type(e).__name__}: {e}"[:300]})
+        if impl in errors:
+            rows.append({"impl": impl, "error": errors[impl]})
             continue
+        ms = statistics.median(times[impl])
         row_flops, bytes_read = own.get(impl, (flops, weight_bytes))
         if "mxfp4" in impl:
             bytes_read = packed_bytes
         tflops = row_flops / ms / 1e9
         rows.append({"impl": impl, "flavor": flavor, "layers": num_layers, "tokens": num_tokens,
-                     "ms": round(ms, 3), "tflops": round(tflops, 1),
+                     "ms": round(ms, 3), "ms_rounds": [round(t, 3) for t in times[impl]],
+                     "tflops": round(tflops, 1),
                      "weight_tbps": round(bytes_read / ms / 1e9, 2),
                      "pct_peak": round(100 * tflops / BF16_TFLOPS, 1),
                      "pct_roofline": round(100 * roofline_ms(row_flops, bytes_read) / ms, 1),
@@ -295,15 +321,15 @@ def format_moe_table(rows: list[dict]) -> str:
     lines = [
         f"routed experts, {r0['flavor']}: {r0['layers']} layers x {r0['tokens']} tokens, bf16; "
         f"peak {BF16_TFLOPS:.0f} TFLOP/s",
-        "impl              |      ms | TFLOP/s | % of peak | expert TB/s | % of copy | "
+        "impl                 |       ms | TFLOP/s | % of peak | expert TB/s | % of copy | "
         "% of roofline" + (" |  SM MHz |  watts" if any("sm_mhz" in r for r in rows) else ""),
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['impl']:17s} | error: {r['error']}")
+            lines.append(f"{r['impl']:20s} | error: {r['error']}")
             continue
         lines.append(
-            f"{r['impl']:17s} | {r['ms']:7.2f} | {r['tflops']:7.1f} | {r['pct_peak']:8.1f}% | "
+            f"{r['impl']:20s} | {r['ms']:8.3f} | {r['tflops']:7.1f} | {r['pct_peak']:8.1f}% | "
             f"{r['weight_tbps']:11.2f} | {100 * r['weight_tbps'] / COPY_TBPS:8.1f}% | "
             f"{r['pct_roofline']:12.1f}%"
             + (f" | {r['sm_mhz']:7d} | {r['watts']:6.1f}" if "sm_mhz" in r else "")

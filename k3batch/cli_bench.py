@@ -79,9 +79,10 @@ def _moe_gemms(ctx, param, value: str) -> str:
 @click.option("--model", "model_dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="A checkpoint instead of random weights (--flavor is then ignored).")
 @click.option("--moe-gemm", default="auto", show_default=True, callback=_moe_gemms,
-              help="Grouped GEMM of bf16 routed experts: auto (Triton on Hopper, else torch), "
-              "torch or triton; several, comma-separated (torch,triton): prefill alternates "
-              "between them in one process, a median each.")
+              help="Grouped GEMM of the routed experts: auto (bf16: Triton on Hopper, else "
+              "torch; MXFP4: the Gluon kernel at decode sizes on Hopper, else Triton's), torch "
+              "(MXFP4: dequantized per call) or triton; several, comma-separated "
+              "(torch,triton): prefill alternates between them in one process, a median each.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, profile, cuda_graphs,
                  overlap, expert_dtype, model_dir, moe_gemm, json_path):  # fmt: skip
@@ -123,6 +124,8 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, prof
 @click.option("--tokens", default=8192, show_default=True, type=int)
 @click.option("--layers", default=None, type=int, help="MoE layers (default: all of the flavor).")
 @click.option("--repeats", default=10, show_default=True, type=int)
+@click.option("--rounds", default=3, show_default=True, type=int,
+              help="Times per row, the rows in turn; each row's median is reported.")
 @click.option("--expert-dtype", type=click.Choice(["bf16", "mxfp4"]), default="bf16",
               show_default=True, help="mxfp4: also the packed experts through the W4A16 kernel.")
 @click.option("--sweep", is_flag=True,
@@ -132,7 +135,7 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, prof
 @click.option("--clocks", is_flag=True,
               help="Also the SM clock and board power each row runs at (nvidia-smi; 3 s a row).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
-def bench_moe(flavor, tokens, layers, repeats, expert_dtype, sweep, save_tuned, clocks,
+def bench_moe(flavor, tokens, layers, repeats, rounds, expert_dtype, sweep, save_tuned, clocks,
               json_path):  # fmt: skip
     """Routed experts alone (CUDA): TFLOP/s, % of the bf16 GEMM peak, TB/s on expert bytes."""
     from k3batch.bench_moe import format_moe_table, moe_throughput, save_best
@@ -140,7 +143,8 @@ def bench_moe(flavor, tokens, layers, repeats, expert_dtype, sweep, save_tuned, 
 
     try:
         rows = moe_throughput(flavor, num_tokens=tokens, num_layers=layers, repeats=repeats,
-                              expert_dtype=expert_dtype, sweep=sweep, clocks=clocks)  # fmt: skip
+                              rounds=rounds, expert_dtype=expert_dtype, sweep=sweep,
+                              clocks=clocks)  # fmt: skip
         click.echo(format_moe_table(rows))
         if sweep and save_tuned:
             config = get_flavor(flavor)

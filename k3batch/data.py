@@ -6,9 +6,9 @@ Data to scale), each a `DataReplicaActor` holding one single-device engine, buil
 is prepared row by row as a job's unit is (`prompts.prepare_rows`: the prompt source, the chat
 template, per-row sampling columns), its rows go to the actor's engine, which steps
 continuously over the rows of every batch in flight (the call is async, so Ray Data runs
-several batches of an actor at once), and come back in input order. A bad row (no prompt, too long, a bad
-sampling value) comes back with its `error` set, like the job's; a dataset without a prompt
-column, or with a column named like an output column, and an engine failure raise.
+several batches of an actor at once), and come back in input order. A bad row (no prompt, too
+long, a bad sampling value) comes back with its `error` set, like the job's; a dataset without
+a prompt column, or with a column named like an output column, and an engine failure raise.
 
 What stays the job's (`k3batch run`): row ids, exactly-once output shards and resume, replica
 restarts with row retries, elastic placement, and replicas spanning devices (pp, tp, dcp).

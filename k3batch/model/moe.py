@@ -72,7 +72,7 @@ class Experts(nn.Module):
             config.situ_linear_beta,
         )
         self.first_expert = 0
-        self.gemm_impl = "auto"  # bf16 grouped GEMMs: "auto", "torch" or "triton" (`fused_experts`)
+        self.gemm_impl = "auto"  # grouped GEMMs: "auto", "torch" or "triton" (`fused_experts`)
         self.packed = expert_dtype == "mxfp4"
         self.small_scales = False  # `note_packed_scales_` sets it once the weights are in
         if not self.packed:

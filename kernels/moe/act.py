@@ -93,5 +93,6 @@ def _launch(g_MI, u_MI, act, beta, linear_beta, block_m=None, interleave=False):
     grid = (triton.cdiv(M, block_m), triton.cdiv(I, block_i))
     gated_act_kernel[grid](g_MI, u_MI, out, g_MI.stride(0), u_MI.stride(0), out.stride(0), M, I,
                            float(beta), float(linear_beta), IS_SITU=act == "situ",
-                           INTERLEAVE=interleave, BLOCK_M=block_m, BLOCK_I=block_i, num_warps=NUM_WARPS)  # fmt: skip
+                           INTERLEAVE=interleave, BLOCK_M=block_m, BLOCK_I=block_i,
+                           num_warps=NUM_WARPS)  # fmt: skip
     return out

@@ -6,9 +6,10 @@ Steps: `sort_slots` orders the T k token slots by expert (at decode sizes with T
 single-launch counting sort of `route.py`); the slots' input rows are gathered
 ([M, D], M = T k); one grouped GEMM with the fused gate-up weights w13 [E, 2 I, D] gives
 [M, 2 I]; `moe_act` gives [M, I]; a grouped GEMM with w2 [E, D, I] gives [M, D]; `moe_combine`
-sums each token's k rows times its router weights in fp32. For the Gluon W4A16 decode kernel the
-gather and `moe_act` write their rows in its column order (`k3kernels.moe.interleave`). With `use_triton=False` the two
-elementwise steps run as plain torch (same math), which is the CPU path of the model.
+sums each token's k rows times its router weights in fp32. For the Gluon W4A16 decode kernel
+the gather and `moe_act` write their rows in its column order (`k3kernels.moe.interleave`).
+With `use_triton=False` the two elementwise steps run as plain torch (same math), which is the
+CPU path of the model.
 Shape legend: T tokens, D input width, I expert width, E local experts, k top-k, M = T k.
 """
 
@@ -29,12 +30,15 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
     """sum_j weights[t, j] * w2[e] act(w13[e] x[t]) over the slots j whose expert
     e = ids[t, j] - first_expert is held here (0 <= e < E); fp32 [T, D].
 
-    x [T, D] and the weights share a dtype, or the weights are `MXFP4Weight`s (packed experts:
-    with use_triton the W4A16 kernels, `k3kernels.moe.w4a16_decode` at decode sizes on sm_90
-    and `k3kernels.moe.w4a16` otherwise; else dequantized to x's dtype per call, the reference
-    path); ids [T, k] global expert ids; weights [T, k].
+    x [T, D] and the weights share a dtype, or the weights are `MXFP4Weight`s (packed experts);
+    ids [T, k] global expert ids; weights [T, k].
     use_triton: the fused Triton activation and combine (default: on CUDA).
-    gemm_impl: "torch" (`torch._grouped_mm`), "triton" (`grouped_gemm_triton`) or "auto": Triton
+    gemm_impl, packed experts: "auto" (with use_triton the Gluon kernel `w4a16_decode` where it
+    takes both GEMMs: decode sizes on sm_90; the Triton W4A16 kernel `w4a16` otherwise),
+    "triton" (that kernel always) or "torch" (dequantized to x's dtype per call, then torch's
+    grouped GEMM: the reference path, also taken without use_triton).
+    gemm_impl, bf16 or fp32 experts: "torch" (`torch._grouped_mm`), "triton"
+    (`grouped_gemm_triton`) or "auto": Triton
     on a CUDA GPU of compute capability 9 or more (TMA) at decode shapes
     (`grouped_gemm_triton.regime`) and for bf16 at prefill (one H200, k3-slice: 3.9 TB/s
     against 2.9 on the expert bytes at 64 tokens; 54-57% of the bf16 peak against 46-49% at
@@ -43,9 +47,12 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
     """
     if use_triton is None:
         use_triton = x_TD.is_cuda
-    if isinstance(w13_EFD, MXFP4Weight) and not use_triton:  # the reference path
+    if gemm_impl not in GEMM_IMPLS:
+        raise ValueError(f"unknown gemm_impl {gemm_impl!r}; known: {', '.join(GEMM_IMPLS)}")
+    if isinstance(w13_EFD, MXFP4Weight) and (not use_triton or gemm_impl == "torch"):
+        # the reference path
         w13_EFD, w2_EDI = w13_EFD.dequantize(x_TD.dtype), w2_EDI.dequantize(x_TD.dtype)
-    gemm, interleave = _pick_gemm(w13_EFD, w2_EDI, ids_Tk, x_TD, gemm_impl)
+    gemm, interleave = pick_gemm(w13_EFD, w2_EDI, ids_Tk.numel(), x_TD, gemm_impl)
     T = x_TD.shape[0]
     if T == 0:
         return torch.zeros(0, w2_EDI.shape[1], dtype=torch.float32, device=x_TD.device)
@@ -78,19 +85,21 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
 GEMM_IMPLS = ("auto", "torch", "triton")  # gemm_impl of `fused_experts`
 
 
-def _pick_gemm(w13, w2, ids_Tk, x_TD, gemm_impl: str):
-    """(the grouped GEMM for these weights (see `fused_experts`), whether it reads its rows
-    interleaved): W4A16 for packed experts, the Gluon decode kernel where it takes both."""
-    if isinstance(w13, MXFP4Weight):
+def pick_gemm(w13, w2, num_rows: int, x_TD, gemm_impl: str):
+    """(the grouped GEMM of `fused_experts` for these weights, num_rows sorted rows of x's
+    dtype and device and gemm_impl (known), whether it reads its rows interleaved)."""
+    if isinstance(w13, MXFP4Weight):  # "auto" or "triton" here
         from k3kernels.moe import w4a16_decode as G
+        from k3kernels.moe.w4a16 import grouped_mm_mxfp4
 
-        if all(G.supported(x_TD, w, ids_Tk.numel()) for w in (w13, w2)):
+        fits = all(G.supported(x_TD, w, num_rows) for w in (w13, w2))
+        if gemm_impl == "auto" and fits:
             return partial(G.grouped_mm_mxfp4_decode, interleaved=True), True
-        return G.grouped_mm_mxfp4_auto, False
+        return grouped_mm_mxfp4, False
     if gemm_impl == "auto":
         from k3kernels.moe.grouped_gemm_triton import regime, tma_ready
 
-        decode = regime(ids_Tk.numel(), w13.shape[0]) == "decode"
+        decode = regime(num_rows, w13.shape[0]) == "decode"
         hopper = x_TD.is_cuda and torch.cuda.get_device_capability(w13.device) >= (9, 0)
         # TMA reads the weights and the rows of x (D or I wide, contiguous)
         tma = all(tma_ready(w) and w.shape[-1] * w.element_size() % 16 == 0 for w in (w13, w2))
@@ -100,6 +109,4 @@ def _pick_gemm(w13, w2, ids_Tk, x_TD, gemm_impl: str):
         from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton
 
         return grouped_mm_triton, False
-    if gemm_impl == "torch":
-        return grouped_mm, False
-    raise ValueError(f"unknown gemm_impl {gemm_impl!r}; known: {', '.join(GEMM_IMPLS)}")
+    return grouped_mm, False

@@ -58,8 +58,8 @@ steps evenly; 24% at one token, 62% at 64) reach 75% (`benchmarks/kernels_h200.t
 One H200, k3-slice, 7 layers (`k3batch bench moe --expert-dtype mxfp4`), before the word
 layout: 64 tokens 3.40 ms as CUDA-graph replays (2.68 TB/s on the packed bytes, 63% of the
 copy bandwidth); 8,192 tokens 28.5 ms (72% of the bf16 grouped GEMM's throughput).
-At decode sizes on sm_90 the pass uses the Gluon kernel `w4a16_decode` instead (its dispatcher
-`grouped_mm_mxfp4_auto`: 2-256 tokens faster there, one token slower).
+At decode sizes on sm_90 the pass uses the Gluon kernel `w4a16_decode` instead (the choice:
+`experts.pick_gemm`; 2-256 tokens faster there, one token slower).
 Reference: `reference.grouped_mm_mxfp4_reference` (dequantize, then the loop). Runs under
 TRITON_INTERPRET=1 on CPU.
 Shape legend: M sorted rows, K input width, N output width, E experts.

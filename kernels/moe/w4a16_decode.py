@@ -2,8 +2,8 @@
 dialect (`triton.experimental.gluon`): the packed MXFP4 words go from global memory straight
 into the registers of the MMA's fragments, with no shared memory, barrier or layout conversion.
 Same contract as `w4a16.grouped_mm_mxfp4` (rows [offs[e-1], offs[e]) of x times expert e's
-weights; rows after offs[-1] unwritten) for the shapes `supported` accepts; the dispatcher
-`grouped_mm_mxfp4_auto` sends everything else to that kernel (Gluon has no CPU interpreter).
+weights; rows after offs[-1] unwritten) for the shapes `supported` accepts; the routed pass
+(`experts.pick_gemm`) sends everything else to that kernel (Gluon has no CPU interpreter).
 
 Each program computes 128 output columns x 8 rows of one expert: the weights are the MMA's A
 operand (m16n8k16: 16 columns an instruction, half the Triton kernel's MMAs), the rows its N.
@@ -17,8 +17,9 @@ by 4 byte permutes per 8 inputs. x is read interleaved (`k3kernels.moe.interleav
 each 256-input step, the 16-byte chunk i of quarter q at position 4 i + q), so that a row's 4
 threads read 64 contiguous bytes per load: read in place, each load touched 32 cache lines and
 the kernel was bound by L1 (93% busy under ncu). The routed pass has its gather and activation
-write that order (`interleaved=True`); other callers get a copy. Two K steps per loop iteration, each loading the other's
-next step into registers, L2 prefetch 3-4 steps ahead, two accumulators by k16-tile parity.
+write that order (`interleaved=True`); other callers get a copy. Two K steps per loop
+iteration, each loading the other's next step into registers, L2 prefetch 3-4 steps ahead, two
+accumulators by k16-tile parity.
 SASS (sm_90, triton 3.6 and 3.9): ~532 instructions per K step of 128 x 256 weights (the Triton
 kernel: 688), 168 registers (3 programs an SM).
 
@@ -35,7 +36,6 @@ import torch
 from k3kernels.moe.grouped_gemm_triton import _INTERPRETED, num_tile_slots, regime
 from k3kernels.moe.interleave import STEP, gather_interleaved
 from k3kernels.moe.mxfp4 import MXFP4Weight
-from k3kernels.moe.w4a16 import grouped_mm_mxfp4
 
 try:
     from triton.experimental import gluon
@@ -79,14 +79,6 @@ def grouped_mm_mxfp4_decode(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Te
                                qw.stride(0), qw.stride(1), w.scale.stride(0), w.scale.stride(1),
                                out.stride(0), num_warps=4)  # fmt: skip
     return out
-
-
-def grouped_mm_mxfp4_auto(x_MK: torch.Tensor, w: MXFP4Weight,
-                          offs_E: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """This kernel where `supported`, else `w4a16.grouped_mm_mxfp4` (its tuned tiles)."""
-    if supported(x_MK, w):
-        return grouped_mm_mxfp4_decode(x_MK, w, offs_E)
-    return grouped_mm_mxfp4(x_MK, w, offs_E)
 
 
 if gluon is not None:

@@ -60,7 +60,8 @@ def _inputs(shape, dtype, device, seed=0):
 
 def _check_experts(shape, dtype, device, use_triton, gemm_impl="torch", mxfp4=False):
     """The whole pass against the fp32 reference; mxfp4: the weights quantized, the pass fed
-    them packed (W4A16 with use_triton), the reference their dequantized values."""
+    them packed (W4A16 with use_triton and gemm_impl "auto" or "triton"), the reference their
+    dequantized values."""
     x, w13, w2, ids, w = _inputs(shape, dtype, device)
     first = shape[5]
     kw = dict(act="situ", beta=4.0, linear_beta=25.0, first_expert=first)
@@ -328,7 +329,8 @@ def _interpreted_checks():
     # and 70 (64 + 6) rows
     _check_grouped_mm_mxfp4("cpu", K=64, block_m=64, block_t=16, block_n=32, block_k=64)
     for name in ("T33-D32-I24-E8-k2", "T33-D32-I24-E8-k2-ep4of8"):
-        _check_experts(TINY[name], torch.float32, "cpu", use_triton=True, mxfp4=True)
+        _check_experts(TINY[name], torch.float32, "cpu", use_triton=True, mxfp4=True,
+                       gemm_impl="auto")  # fmt: skip
     _check_experts(TINY["T33-D32-I24-E8-k2-ep4of8"], torch.float32, "cpu", use_triton=True,
                    gemm_impl="triton")  # fmt: skip
 
@@ -360,7 +362,11 @@ def test_grouped_mm_mxfp4_gpu():
                                 block_t=64, block_n=128, block_k=128, num_warps=4,
                                 num_stages=3)  # fmt: skip
     for shape in ("T8192-prefill", "T64-decode", "T8192-ep2-rank1"):
-        _check_experts(K3_SLICE[shape], torch.bfloat16, "cuda", use_triton=True, mxfp4=True)
+        _check_experts(K3_SLICE[shape], torch.bfloat16, "cuda", use_triton=True, mxfp4=True,
+                       gemm_impl="auto")  # fmt: skip
+    # at decode sizes "auto" is the Gluon kernel (`test_grouped_mm_mxfp4_decode_gpu`)
+    _check_experts(K3_SLICE["T64-decode"], torch.bfloat16, "cuda", use_triton=True, mxfp4=True,
+                   gemm_impl="triton")  # fmt: skip
 
 
 @pytest.mark.gpu
