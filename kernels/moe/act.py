@@ -37,14 +37,18 @@ def _sigmoid(z):
 
 
 @triton.jit
-def gated_act_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_out, M, I, beta,
-                     linear_beta, IS_SITU: tl.constexpr, INTERLEAVE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):  # fmt: skip
+def gated_act_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_part, stride_out, M, I,
+                     beta, linear_beta, IS_SITU: tl.constexpr, INTERLEAVE: tl.constexpr,
+                     PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_I: tl.constexpr):  # fmt: skip
     row = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
     col = (tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I))[None, :]
     mask = (row < M) & (col < I)
     g = tl.load(g_ptr + row * stride_g + col, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + col, mask=mask, other=0.0).to(tl.float32)
+    for p in tl.static_range(1, PARTS):  # partial products of a split K, summed in order
+        g += tl.load(g_ptr + p * stride_part + row * stride_g + col, mask=mask, other=0.0)
+        u += tl.load(u_ptr + p * stride_part + row * stride_u + col, mask=mask, other=0.0)
     if IS_SITU:
         t_g, t_u = _tanh(g * (1.0 / beta)), _tanh(u * (1.0 / linear_beta))
         y = beta * t_g * _sigmoid(g) * (linear_beta * t_u)
@@ -69,30 +73,35 @@ def gated_act(gate_MI: torch.Tensor, up_MI: torch.Tensor, act: str, beta: float 
 
 
 def moe_act(h_MF: torch.Tensor, act: str, beta: float = 4.0, linear_beta: float = 25.0,
-            interleave: bool = False) -> torch.Tensor:  # fmt: skip
-    """act(gate, up) of h [M, 2 I] (unit column stride) -> [M, I] in h's dtype; interleave:
-    its columns in the order of `k3kernels.moe.interleave` (I a multiple of 256)."""
-    M, F = h_MF.shape
-    if F % 2 or h_MF.stride(-1) != 1 or (interleave and F // 2 % STEP):
-        raise ValueError(f"moe_act needs [M, 2 I] rows with unit column stride (I a multiple "
-                         f"of {STEP} to interleave), got {h_MF.shape}")  # fmt: skip
-    return _launch(h_MF[:, : F // 2], h_MF[:, F // 2 :], act, beta, linear_beta,
-                   interleave=interleave)  # fmt: skip
+            interleave: bool = False,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """act(gate, up) of h [M, 2 I], or of the sum of K's partial products [parts, M, 2 I]
+    (`w4a16_decode`), unit column stride -> [M, I] in out_dtype (default h's); interleave: its
+    columns in the order of `k3kernels.moe.interleave` (I a multiple of 256)."""
+    F = h_MF.shape[-1]
+    if h_MF.dim() not in (2, 3) or F % 2 or h_MF.stride(-1) != 1 or (interleave and F // 2 % STEP):
+        raise ValueError(f"moe_act needs [M, 2 I] or [parts, M, 2 I] rows with unit column "
+                         f"stride (I a multiple of {STEP} to interleave), got "
+                         f"{tuple(h_MF.shape)}")  # fmt: skip
+    return _launch(h_MF[..., : F // 2], h_MF[..., F // 2 :], act, beta, linear_beta,
+                   interleave=interleave, out_dtype=out_dtype)  # fmt: skip
 
 
-def _launch(g_MI, u_MI, act, beta, linear_beta, block_m=None, interleave=False):
+def _launch(g_MI, u_MI, act, beta, linear_beta, block_m=None, interleave=False, out_dtype=None):
+    """g and u [M, I], or [parts, M, I] summed over parts."""
     if act not in ("situ", "silu"):
         raise ValueError(f"unknown gated activation {act!r}; known: situ, silu")
-    M, I = g_MI.shape
+    parts, stride_part = (g_MI.shape[0], g_MI.stride(0)) if g_MI.dim() == 3 else (1, 0)
+    M, I = g_MI.shape[-2:]
     if block_m is None:
         block_m = BLOCK_M if M >= MIN_ROWS_FOR_TWO else 1
-    out = torch.empty(M, I, dtype=g_MI.dtype, device=g_MI.device)
+    out = torch.empty(M, I, dtype=out_dtype or g_MI.dtype, device=g_MI.device)
     if M == 0:
         return out
     block_i = min(BLOCK_I, triton.next_power_of_2(I))
     grid = (triton.cdiv(M, block_m), triton.cdiv(I, block_i))
-    gated_act_kernel[grid](g_MI, u_MI, out, g_MI.stride(0), u_MI.stride(0), out.stride(0), M, I,
-                           float(beta), float(linear_beta), IS_SITU=act == "situ",
-                           INTERLEAVE=interleave, BLOCK_M=block_m, BLOCK_I=block_i,
-                           num_warps=NUM_WARPS)  # fmt: skip
+    gated_act_kernel[grid](g_MI, u_MI, out, g_MI.stride(-2), u_MI.stride(-2), stride_part,
+                           out.stride(0), M, I, float(beta), float(linear_beta),
+                           IS_SITU=act == "situ", INTERLEAVE=interleave, PARTS=parts,
+                           BLOCK_M=block_m, BLOCK_I=block_i, num_warps=NUM_WARPS)  # fmt: skip
     return out

@@ -14,8 +14,9 @@ import triton.language as tl
 
 
 @triton.jit
-def moe_combine_kernel(y_ptr, pos_ptr, w_ptr, valid_ptr, out_ptr, stride_y, D,
-                       TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+def moe_combine_kernel(y_ptr, pos_ptr, w_ptr, valid_ptr, out_ptr, stride_y, stride_part, D,
+                       TOP_K: tl.constexpr, PARTS: tl.constexpr,
+                       BLOCK_D: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < D
@@ -26,21 +27,25 @@ def moe_combine_kernel(y_ptr, pos_ptr, w_ptr, valid_ptr, out_ptr, stride_y, D,
         pos = tl.load(pos_ptr + t * TOP_K + j)
         w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
         y = tl.load(y_ptr + pos * stride_y + d, mask=dmask & ok, other=0.0).to(tl.float32)
+        for p in tl.static_range(1, PARTS):  # partial products of a split K, summed in order
+            y += tl.load(y_ptr + p * stride_part + pos * stride_y + d, mask=dmask & ok, other=0.0)
         acc += tl.where(ok, w, 0.0) * y
     tl.store(out_ptr + t * D + d, acc, mask=dmask)
 
 
 def moe_combine(y_MD, slot_pos_Tk, weights_Tk, valid_Tk) -> torch.Tensor:
-    """fp32 [T, D] from y [M, D] (unit column stride), slot_pos [T, k] int64, weights [T, k],
-    valid [T, k] bool."""
+    """fp32 [T, D] from y [M, D], or the sum of K's partial products [parts, M, D]
+    (`w4a16_decode`), unit column stride; slot_pos [T, k] int64, weights [T, k], valid [T, k]
+    bool."""
     T, k = slot_pos_Tk.shape
-    D = y_MD.shape[1]
+    D = y_MD.shape[-1]
+    parts, stride_part = (y_MD.shape[0], y_MD.stride(0)) if y_MD.dim() == 3 else (1, 0)
     out = torch.empty(T, D, dtype=torch.float32, device=y_MD.device)
     if T == 0:
         return out
     BLOCK_D = min(1024, triton.next_power_of_2(D))
     grid = (T, triton.cdiv(D, BLOCK_D))
     moe_combine_kernel[grid](y_MD, slot_pos_Tk.contiguous(), weights_Tk.float().contiguous(),
-                             valid_Tk.contiguous().view(torch.uint8), out, y_MD.stride(0), D,
-                             TOP_K=k, BLOCK_D=BLOCK_D)  # fmt: skip
+                             valid_Tk.contiguous().view(torch.uint8), out, y_MD.stride(-2),
+                             stride_part, D, TOP_K=k, PARTS=parts, BLOCK_D=BLOCK_D)  # fmt: skip
     return out

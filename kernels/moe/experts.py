@@ -7,7 +7,8 @@ single-launch counting sort of `route.py`); the slots' input rows are gathered
 ([M, D], M = T k); one grouped GEMM with the fused gate-up weights w13 [E, 2 I, D] gives
 [M, 2 I]; `moe_act` gives [M, I]; a grouped GEMM with w2 [E, D, I] gives [M, D]; `moe_combine`
 sums each token's k rows times its router weights in fp32. For the Gluon W4A16 decode kernel
-the gather and `moe_act` write their rows in its column order (`k3kernels.moe.interleave`).
+the gather and `moe_act` write their rows in its column order (`k3kernels.moe.interleave`),
+and where it splits K (one or two tokens) `moe_act` and `moe_combine` sum its fp32 parts.
 With `use_triton=False` the two elementwise steps run as plain torch (same math), which is the
 CPU path of the model.
 Shape legend: T tokens, D input width, I expert width, E local experts, k top-k, M = T k.
@@ -74,7 +75,7 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
         from k3kernels.moe.act import moe_act
         from k3kernels.moe.combine import moe_combine
 
-        h_MI = moe_act(h_MF, act, beta, linear_beta, interleave=interleave)
+        h_MI = moe_act(h_MF, act, beta, linear_beta, interleave=interleave, out_dtype=x_TD.dtype)
         y_MD = gemm(h_MI, w2_EDI, order.offs_E)
         return moe_combine(y_MD, order.slot_pos_Tk, weights_Tk, order.valid_Tk)
     h_MI = gated_act_reference(h_MF, act, beta, linear_beta).to(h_MF.dtype)
@@ -94,7 +95,7 @@ def pick_gemm(w13, w2, num_rows: int, x_TD, gemm_impl: str):
 
         fits = all(G.supported(x_TD, w, num_rows) for w in (w13, w2))
         if gemm_impl == "auto" and fits:
-            return partial(G.grouped_mm_mxfp4_decode, interleaved=True), True
+            return partial(G.grouped_mm_mxfp4_decode, interleaved=True, parts=None), True
         return grouped_mm_mxfp4, False
     if gemm_impl == "auto":
         from k3kernels.moe.grouped_gemm_triton import regime, tma_ready

@@ -31,6 +31,8 @@ costs 1-5 points at 2-16 tokens.
 Shape legend: M sorted rows, K input width, N output width, E experts.
 """
 
+import functools
+
 import torch
 
 from k3kernels.moe.grouped_gemm_triton import _INTERPRETED, num_tile_slots, regime
@@ -47,7 +49,7 @@ except ImportError:  # a Triton without Gluon: the Triton kernel serves every sh
 BLOCK_N = 128  # output columns per program
 BLOCK_M = 8  # rows per program (the MMA's N)
 MAX_EXPERTS = 128  # the group-end scan's width
-MIN_ROWS = 4  # fewer sorted rows (1 token at top-2): the Triton kernel is faster
+PROGRAMS_PER_SM = 5  # `k_parts`: K is split until the programs come nearest this many an SM
 
 
 def supported(x: torch.Tensor, w: MXFP4Weight, num_rows: int | None = None) -> bool:
@@ -59,25 +61,54 @@ def supported(x: torch.Tensor, w: MXFP4Weight, num_rows: int | None = None) -> b
     return (gluon is not None and not _INTERPRETED and x.is_cuda
             and x.dtype == torch.bfloat16 and x.stride(-1) == 1
             and torch.cuda.get_device_capability(x.device) >= (9, 0)
-            and MIN_ROWS <= M and regime(M, E) == "decode" and E <= MAX_EXPERTS
+            and regime(M, E) == "decode" and E <= MAX_EXPERTS
             and K % (2 * STEP) == 0 and N % BLOCK_N == 0 and w.small_scales
             and w.packed.is_contiguous() and w.scale.stride(-1) == 1)  # fmt: skip
 
 
+def k_parts(num_rows: int, w: MXFP4Weight) -> int:
+    """How many parts to split K into for num_rows sorted rows: the divisor of K / 512 whose
+    program count (row tiles bound x column blocks x parts) is nearest `PROGRAMS_PER_SM` an SM.
+    At one or two tokens the unsplit kernel has one program or fewer an SM (96 and 56 at one
+    token, k3-slice), each alone on its schedulers; parts summed by the consumer (`moe_act`,
+    `moe_combine`). One H200, 7 k3-slice layers, the two GEMMs (parts not summed; `benchmarks/
+    kernels_h200.txt`, eighth session): one token 26% of copy unsplit, 40% at 7 and 6 parts
+    (this rule's pick); two tokens 44% unsplit, 48-51% with the down GEMM in 2-6 parts; from 4
+    tokens on no split gains (within 1 point at 4, 3 points slower at 8)."""
+    E, N, K = w.shape
+    programs = num_tile_slots(num_rows, E, BLOCK_M) * (N // BLOCK_N)
+    target = PROGRAMS_PER_SM * _num_sms(w.packed.device)
+    steps = K // (2 * STEP)
+    return min((d for d in range(1, steps + 1) if steps % d == 0),
+               key=lambda d: abs(programs * d - target))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def grouped_mm_mxfp4_decode(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
-                            interleaved: bool = False) -> torch.Tensor:  # fmt: skip
+                            interleaved: bool = False,
+                            parts: int | None = 1) -> torch.Tensor:  # fmt: skip
     """out[r] = x[r] @ dequantize(w[e]).T for the rows r of group e (see the module doc); the
     caller checks `supported`. interleaved: x's columns are already in the order of
-    `k3kernels.moe.interleave` (else a copy puts them so)."""
+    `k3kernels.moe.interleave` (else a copy puts them so). parts: K split into this many parts
+    of whole 512-input steps (None: `k_parts`); more than one gives their products unsummed,
+    fp32 [parts, M, N]."""
     E, N, K = w.shape
     M = x_MK.shape[0]
-    out = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
+    parts = k_parts(M, w) if parts is None else parts
+    if K % (2 * STEP * parts):
+        raise ValueError(f"K = {K} does not split into {parts} parts of 512-input steps")
+    shape, dtype = ((M, N), x_MK.dtype) if parts == 1 else ((parts, M, N), torch.float32)
+    out = torch.empty(shape, dtype=dtype, device=x_MK.device)
     xw = (x_MK if interleaved else gather_interleaved(x_MK)).view(torch.int32)
     qw = w.packed.view(torch.int32)
-    grid = (num_tile_slots(M, E, BLOCK_M) * (N // BLOCK_N),)
+    grid = (num_tile_slots(M, E, BLOCK_M) * (N // BLOCK_N), parts)
     _w4a16_decode_kernel[grid](xw, qw, w.scale, out, offs_E, N, K, M, E, xw.stride(0),
                                qw.stride(0), qw.stride(1), w.scale.stride(0), w.scale.stride(1),
-                               out.stride(0), num_warps=4)  # fmt: skip
+                               out.stride(-2), PARTS=parts, num_warps=4)  # fmt: skip
     return out
 
 
@@ -222,9 +253,10 @@ if gluon is not None:
     @gluon.jit
     def _w4a16_decode_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, M, E, stride_xw,
                              stride_qe, stride_qn, stride_se, stride_sn,
-                             stride_out):  # fmt: skip
+                             stride_out, PARTS: gl.constexpr):  # fmt: skip
         """x_ptr: interleaved x as int32 words, q_ptr: the packed words as int32; strides in
-        elements. Program: tile t of the experts' 8-row tiles (expert-major) x column block."""
+        elements. Program (axis 0): tile t of the experts' 8-row tiles (expert-major) x column
+        block; axis 1: its part of K (PARTS > 1: products into out[part])."""
         pid = gl.program_id(0)
         num_n = N // 128
         ee = gl.arange(0, 128, layout=EXPERTS)
@@ -242,6 +274,13 @@ if gluon is not None:
         n_block = local // group_size
         end = gl.sum(gl.where(mine, ends, 0), 0)
 
+        steps = K // 256 // PARTS  # even (`grouped_mm_mxfp4_decode`)
+        if PARTS > 1:  # the part's first step; scalar offsets (not the tiles': no registers)
+            first_step = gl.program_id(1) * steps
+            q_ptr += first_step * 32
+            s_ptr += first_step * 8
+            x_ptr += first_step * 128
+            out_ptr += gl.program_id(1).to(gl.int64) * M * stride_out
         jj = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, WORDS)))
         qq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WORDS)))
         cc = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, WORDS)))
@@ -272,7 +311,6 @@ if gluon is not None:
 
         acc0 = gl.full([128, 8], 0.0, gl.float32, MMA)
         acc1 = gl.full([128, 8], 0.0, gl.float32, MMA)
-        steps = K // 256  # even (`supported`)
         wA, vA, sA, uA, xA = _load_step(w_ptrs, v_ptrs, s_ptrs, u_ptrs, x_ptrs, 0)
         for i in range(0, steps, 2):
             wB, vB, sB, uB, xB = _load_step(w_ptrs, v_ptrs, s_ptrs, u_ptrs, x_ptrs, i + 1)

@@ -35,6 +35,7 @@ TINY = {
 K3_SLICE = {
     "T8192-prefill": (8192, 3584, 3072, 112, 2, 0, 112),
     "T64-decode": (64, 3584, 3072, 112, 2, 0, 112),
+    "T1-decode": (1, 3584, 3072, 112, 2, 0, 112),
     "T8192-ep2-rank1": (8192, 3584, 3072, 112, 2, 56, 56),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -100,6 +101,28 @@ def _check_act(M, I, act, dtype, device):
         assert torch.equal(moe_act(h, act, interleave=True), interleave_reference(out))
     out = gated_act(h[:, :I], h[:, I:], act)
     return assert_close(f"act_{act}_pair", ref, out, rel_rms=rel, max_abs=mx)
+
+
+def _check_parts(device):
+    """moe_act and moe_combine on K's fp32 partial products [parts, M, F] (the split Gluon
+    W4A16 decode kernel's output) against the reference on their sum."""
+    from k3kernels.moe.act import moe_act
+    from k3kernels.moe.combine import moe_combine
+
+    g = torch.Generator().manual_seed(4)
+    h = (torch.randn(3, 6, 2 * 256, generator=g) * 2).to(device)
+    rel, mx = TOLERANCES[("act", torch.bfloat16)]
+    out = moe_act(h, "situ", out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == (6, 256)
+    assert_close("act_parts", R.gated_act_reference(h.sum(0), "situ"), out, rel_rms=rel,
+                 max_abs=mx)  # fmt: skip
+    ids = torch.randint(0, 4, (3, 2), generator=g)
+    order = sort_slots(ids.to(device), 4)
+    y = torch.randn(2, 6, 40, generator=g).to(device)
+    w = (torch.rand(3, 2, generator=g) + 0.1).to(device)
+    ref = R.combine_reference(y.sum(0), order.slot_pos_Tk, w, order.valid_Tk)
+    out = moe_combine(y, order.slot_pos_Tk, w, order.valid_Tk)
+    assert_close("combine_parts", ref, out, rel_rms=1e-6)
 
 
 def _check_gather_interleaved(T, K, device):
@@ -312,6 +335,7 @@ def _interpreted_checks():
         _check_act(3, 256, "situ", dtype, "cpu")
         _check_combine(7, 3, 40, dtype, "cpu")
     _check_gather_interleaved(5, 512, "cpu")
+    _check_parts("cpu")
     for name in ("T33-D32-I24-E8-k2", "T33-D32-I24-E8-k2-ep4of8"):
         _check_experts(TINY[name], torch.float32, "cpu", use_triton=True)
     _check_grouped_mm_triton("cpu", block_n=16, block_k=16)
@@ -361,7 +385,7 @@ def test_grouped_mm_mxfp4_gpu():
         _check_grouped_mm_mxfp4("cuda", M=300, K=K, N=N, tol_bf16=2e-3, block_m=128,
                                 block_t=64, block_n=128, block_k=128, num_warps=4,
                                 num_stages=3)  # fmt: skip
-    for shape in ("T8192-prefill", "T64-decode", "T8192-ep2-rank1"):
+    for shape in ("T8192-prefill", "T64-decode", "T1-decode", "T8192-ep2-rank1"):
         _check_experts(K3_SLICE[shape], torch.bfloat16, "cuda", use_triton=True, mxfp4=True,
                        gemm_impl="auto")  # fmt: skip
     # at decode sizes "auto" is the Gluon kernel (`test_grouped_mm_mxfp4_decode_gpu`)
@@ -374,7 +398,8 @@ def test_grouped_mm_mxfp4_gpu():
 def test_grouped_mm_mxfp4_decode_gpu():
     """The Gluon decode kernel against dequantize-then-matmul at K3 widths (rel RMS <= 2e-3 in
     bf16): groups empty, of 1-2 rows and over two 8-row tiles, unused rows at the end; the same
-    bits on a second run; what it does not take (fp32, a few rows, large scales) it declines."""
+    bits on a second run; K split into parts (their fp32 sum); what it does not take (fp32,
+    large scales) it declines."""
     from k3kernels.moe import w4a16_decode as D
     from k3kernels.moe.mxfp4 import MXFP4Weight, quantize_mxfp4
     from k3kernels.moe.reference import grouped_mm_mxfp4_reference
@@ -390,9 +415,15 @@ def test_grouped_mm_mxfp4_decode_gpu():
         assert torch.equal(out, D.grouped_mm_mxfp4_decode(x, wq, offs)[:36])
         ref = grouped_mm_mxfp4_reference(x, wq, offs)
         assert_close("grouped_mm_mxfp4_decode", ref, out, rel_rms=2e-3)
+        for parts in (2, K // 512):
+            split = D.grouped_mm_mxfp4_decode(x, wq, offs, parts=parts)
+            assert split.shape == (parts, 40, N) and split.dtype == torch.float32
+            assert_close(f"decode_parts{parts}", ref, split.sum(0)[:36], rel_rms=2e-3)
         big = MXFP4Weight.from_checkpoint(*(t.cuda() for t in quantize_mxfp4(w * 2.0**20)))
-        assert not (D.supported(x.float(), wq) or D.supported(x[:3], wq)
-                    or D.supported(x, big))  # fmt: skip
+        assert not (D.supported(x.float(), wq) or D.supported(x, big))
+        if D._num_sms(x.device) == 132:  # an H100 or H200: one token (2 rows, 96 and 56
+            # programs unsplit) splits K into its 512-input steps
+            assert D.k_parts(2, wq) == K // 512
 
 
 @pytest.mark.gpu
@@ -425,6 +456,7 @@ def test_moe_act_combine_and_gather_gpu(dtype):
         _check_act(16384, 3072, act, dtype, "cuda")
     _check_combine(8192, 2, 3584, dtype, "cuda")
     _check_gather_interleaved(64, 3584, "cuda")
+    _check_parts("cuda")
 
 
 @pytest.mark.gpu

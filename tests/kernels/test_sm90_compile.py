@@ -60,7 +60,8 @@ def test_sass_report_compiles_as_the_launcher_would(tmp_path):
 def test_w4a16_decode_kernel_compiles_without_shared_memory(tmp_path):
     """The Gluon W4A16 decode kernel (`k3kernels.moe.w4a16_decode`; Gluon has no interpreter,
     so this compile is the CPU suite's only check of it): its loop feeds the MMAs from
-    registers (no shared-memory loads) and it fits 3 programs an SM (<= 168 registers)."""
+    registers (no shared-memory loads) and it fits 3 programs an SM (<= 168 registers), whole
+    and with K split (fp32 parts)."""
     from k3kernels.moe import w4a16_decode
 
     if w4a16_decode.gluon is None:
@@ -69,10 +70,15 @@ def test_w4a16_decode_kernel_compiles_without_shared_memory(tmp_path):
            "offs_ptr": "*i32", "N": "i32", "K": "i32", "M": "i32", "E": "i32",
            "stride_xw": "i32", "stride_qe": "i32", "stride_qn": "i32", "stride_se": "i32",
            "stride_sn": "i32", "stride_out": "i32"}  # fmt: skip
-    spec = {"module": "k3kernels.moe.w4a16_decode", "kernel": "_w4a16_decode_kernel",
-            "signature": sig, "aligned": [n for n in sig if n not in ("M", "E")],
-            "constexprs": {}, "num_warps": 4, "num_stages": 1}  # fmt: skip
-    report = _compile([spec], tmp_path, "--sass")
-    regs = int(report.split(" registers")[0].split()[-1])
-    loop = report.split("main loop")[1]
-    assert regs <= 168 and "HMMA" in loop and "LDS" not in loop and "LDL" not in report, report
+    specs = [{"module": "k3kernels.moe.w4a16_decode", "kernel": "_w4a16_decode_kernel",
+              "signature": sig | {"out_ptr": out}, "aligned": [n for n in sig if n not in "ME"],
+              "constexprs": {"PARTS": parts}, "num_warps": 4, "num_stages": 1}
+             for out, parts in (("*bf16", 1), ("*fp32", 7))]  # fmt: skip
+    report = _compile(specs, tmp_path, "--sass")
+    launches = [line for line in report.splitlines() if "main loop" in line]
+    assert len(launches) == 2, report
+    for line in launches:
+        regs = int(line.split(" registers")[0].split()[-1])
+        loop = line.split("main loop")[1]
+        assert regs <= 168 and "HMMA" in loop and "LDS" not in loop, line
+    assert "LDL" not in report, report
