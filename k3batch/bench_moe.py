@@ -24,7 +24,9 @@ With `--expert-dtype mxfp4` the experts are quantized and kept packed: "experts-
 `k3kernels.moe.w4a16_decode` at decode sizes on sm_90, else the Triton kernel
 `k3kernels.moe.w4a16`), "experts-mxfp4-triton" and "gemm-mxfp4-triton" the Triton kernel
 always (swept rows: its tiles), their TB/s counted on the packed bytes (0.53 B per weight),
-beside the bf16 rows on the same weights' dequantized values.
+beside the bf16 rows on the same weights' dequantized values. Where the Gluon kernel splits K
+(one or two tokens), "gemm-mxfp4" leaves its fp32 parts unsummed (the pass sums them in the
+activation and the combine).
 First H200 run (torch 2.11): experts 22.0 ms = 345 TFLOP/s (44% of peak), gemm 20.1 ms = 378
 TFLOP/s (49%), torch-elementwise 35.0 ms (28%): the grouped GEMMs' tile waste (see
 grouped_gemm.py) bounds this design, not the sort, activation or combine (2 ms together).

@@ -21,13 +21,16 @@ write that order (`interleaved=True`); other callers get a copy. Two K steps per
 iteration, each loading the other's next step into registers, L2 prefetch 3-4 steps ahead, two
 accumulators by k16-tile parity.
 SASS (sm_90, triton 3.6 and 3.9): ~532 instructions per K step of 128 x 256 weights (the Triton
-kernel: 688), 168 registers (3 programs an SM).
+kernel: 688), 168 registers (3 programs an SM). At one and two tokens there are too few tiles to
+keep the SMs busy, so K is split (`k_parts`) and the parts' fp32 products are summed by the
+activation and the combine.
 
 One H200, 7 k3-slice layers, both GEMMs, CUDA-graph replays, % of the copy bandwidth on the
-packed bytes (`benchmarks/kernels_h200.txt`, seventh session; x interleaved beforehand):
-tokens 1: 27% (the Triton kernel: 30%, so `MIN_ROWS` keeps it), 2: 44-46 (43), 4: 62-63 (54-55),
-8: 68 (62), 16: 72 (66-68), 64: 77 (65-73), 256: 66-72 (65-68). An interleaving copy of x
-costs 1-5 points at 2-16 tokens.
+packed bytes (`k3batch bench moe --expert-dtype mxfp4`, "gemm-mxfp4" against
+"gemm-mxfp4-triton"; `benchmarks/kernels_h200.txt`, eighth session): tokens 1: 41% with K in 7
+and 6 parts, its parts unsummed (the Triton kernel 30%), 2: 47 (43), 4: 60 (56), 8: 65 (62), 16:
+71 (68), 64: 74 (71), 256: 73 (70). The whole routed pass: 27% (23), 38 (35), 52 (46), 60 (53),
+67 (65), 73 (68), 71 (67).
 Shape legend: M sorted rows, K input width, N output width, E experts.
 """
 
