@@ -275,8 +275,8 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
     if len(gemms) > 1:
         row["prefill_by_moe_gemm"] = {impl: [round(t, 1), mfu(t)] for impl, t in tps.items()}
     if profile:
-        row["profile"] = _profile(prefill, cuda)
-        row["decode_profile"] = _profile(lambda: decode(PROFILED_DECODE_STEPS)[0], cuda)
+        row["profile"] = profile_ops(prefill, cuda)
+        row["decode_profile"] = profile_ops(lambda: decode(PROFILED_DECODE_STEPS)[0], cuda)
         decode()
     return row
 
@@ -299,7 +299,7 @@ PROFILED_DECODE_STEPS = 8
 PREFILL_REPEATS = 3
 
 
-def _profile(run, cuda: bool, top: int = 25) -> dict:
+def profile_ops(run, cuda: bool, top: int = 25) -> dict:
     """{"wall_ms", "total_ms", "ops"}: `run()` (returns its wall seconds) under the profiler;
     on CUDA its top kernels by device time (ops launch them, so counting both would count
     the time twice), on CPU its top ops by self CPU time; each with its share of the total."""

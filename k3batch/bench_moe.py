@@ -48,10 +48,12 @@ them, whose own traffic (gather, activation, combine: ~1.1 GB a layer) the roofl
 import itertools
 import json
 import statistics
+import time
 from functools import partial
 
 import torch
 
+from k3batch.bench import profile_ops
 from k3batch.bench_kernels import sustained_clock, time_ms
 from k3batch.model import get_flavor
 from k3batch.roofline import BF16_TFLOPS, COPY_TBPS, roofline_ms
@@ -82,7 +84,7 @@ def _layer_inputs(config, num_tokens: int, gen, device):
 def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_layers=None,
                    repeats: int = 10, rounds: int = 3, seed: int = 0,
                    expert_dtype: str = "bf16", sweep: bool = False,
-                   clocks: bool = False) -> list[dict]:  # fmt: skip
+                   clocks: bool = False, profile: bool = False) -> list[dict]:  # fmt: skip
     """Rows {"impl", "ms", "tflops", "pct_peak", "weight_tbps"} for the routed experts of
     `num_layers` MoE layers (default: all of the flavor's) at `num_tokens` tokens, on CUDA,
     activations bf16. expert_dtype "mxfp4": the experts quantized and kept packed, rows
@@ -91,8 +93,10 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
     the median of `rounds` times ("ms_rounds"), each the median of `repeats` calls, the rows
     taken in turn in each round. sweep: also the Triton GEMM of that format over
     `sweep_configs` (rows named "<impl> <config json>"); the best goes into the GPU's tuned
-    table (`k3kernels/moe/tuned/`). clocks: each CUDA-graph row also gets the SM clock and
-    board power it ran at (`sustained_clock`, 3 s a row)."""
+    table (`k3kernels/moe/tuned/`). profile: the row of the pass the model runs
+    ("experts-mxfp4", else "experts-triton") also gets "profile", its kernels' GPU time over
+    PROFILED_PASSES eager passes (`k3batch.bench.profile_ops`). clocks: each CUDA-graph row also
+    gets the SM clock and board power it ran at (`sustained_clock`, 3 s a row)."""
     if not torch.cuda.is_available():
         raise ValueError("bench moe needs a CUDA device")
     config = get_flavor(flavor)
@@ -250,7 +254,22 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
                      })  # fmt: skip
         if clocks and impl != "loop-before":
             rows[-1] |= sustained_clock(fn)
+        if profile and impl == ("experts-mxfp4" if expert_dtype == "mxfp4" else "experts-triton"):
+            rows[-1]["profile"] = profile_ops(partial(_timed, fn, PROFILED_PASSES), cuda=True)
     return rows
+
+
+PROFILED_PASSES = 10
+
+
+def _timed(fn, n: int) -> float:
+    """Wall seconds of n eager calls of fn, the GPU drained."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def save_best(rows: list[dict], expert_dtype: str, num_slots: int, num_experts: int) -> dict:

@@ -134,18 +134,25 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, prof
               help="With --sweep: write the fastest into this GPU's tuned table.")
 @click.option("--clocks", is_flag=True,
               help="Also the SM clock and board power each row runs at (nvidia-smi; 3 s a row).")
+@click.option("--profile", is_flag=True,
+              help="Also the GPU time of each kernel of the pass the model runs (torch profiler).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def bench_moe(flavor, tokens, layers, repeats, rounds, expert_dtype, sweep, save_tuned, clocks,
-              json_path):  # fmt: skip
+              profile, json_path):  # fmt: skip
     """Routed experts alone (CUDA): TFLOP/s, % of the bf16 GEMM peak, TB/s on expert bytes."""
-    from k3batch.bench_moe import format_moe_table, moe_throughput, save_best
+    from k3batch.bench import format_profile
+    from k3batch.bench_moe import PROFILED_PASSES, format_moe_table, moe_throughput, save_best
     from k3batch.model import get_flavor
 
     try:
         rows = moe_throughput(flavor, num_tokens=tokens, num_layers=layers, repeats=repeats,
                               rounds=rounds, expert_dtype=expert_dtype, sweep=sweep,
-                              clocks=clocks)  # fmt: skip
+                              clocks=clocks, profile=profile)  # fmt: skip
         click.echo(format_moe_table(rows))
+        for row in rows:
+            if "profile" in row:
+                click.echo(format_profile(row["profile"], f"{row['impl']}, {PROFILED_PASSES} "
+                                          "eager passes"))  # fmt: skip
         if sweep and save_tuned:
             config = get_flavor(flavor)
             slots = tokens * config.num_experts_per_token

@@ -105,3 +105,26 @@ def test_clock_samples_and_the_moe_table():
     assert "SM MHz" not in plain and plain.splitlines()[-1].endswith("63.2%")
     clocked = format_moe_table([row | clock_medians(smi)])
     assert "SM MHz" in clocked and clocked.splitlines()[-1].endswith("|    1335 |  695.5")
+
+
+def test_profile_summary_on_cpu():
+    """`bench engine --profile` / `bench moe --profile`'s summary: without CUDA the top ops by
+    self CPU time, each with its share, and the table that prints them."""
+    import time
+
+    from k3batch.bench import format_profile, profile_ops
+
+    a = torch.randn(256, 256)
+
+    def run():
+        t0 = time.perf_counter()
+        for _ in range(3):
+            a @ a
+        return time.perf_counter() - t0
+
+    prof = profile_ops(run, cuda=False, top=5)
+    ops = {o["op"]: o for o in prof["ops"]}
+    assert "aten::mm" in ops and ops["aten::mm"]["calls"] == 3 and len(ops) <= 5
+    assert 0 < ops["aten::mm"]["pct"] <= 100 and prof["wall_ms"] > 0
+    table = format_profile(prof, "3 products").splitlines()
+    assert table[0].startswith("3 products under the profiler") and len(table) == 2 + len(ops)
