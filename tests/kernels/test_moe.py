@@ -474,6 +474,21 @@ def test_fused_experts_deterministic_and_sync_free_gpu():
     assert torch.equal(first, again)
 
 
+def test_decode_kernel_splits_k_only_for_a_few_tokens(monkeypatch):
+    """`w4a16_decode.k_parts` on 132 SMs at k3-slice widths (112 experts, top-2): K in its
+    512-input steps at one token (7 and 6 parts: 96 and 56 programs unsplit), the down GEMM
+    alone at 2 and 4 tokens, nothing from 8 tokens on (where splitting was slower on the H200)."""
+    from types import SimpleNamespace
+
+    from k3kernels.moe import w4a16_decode as D
+
+    monkeypatch.setattr(D, "_num_sms", lambda device: 132)
+    w13, w2 = (SimpleNamespace(shape=(112, N, K), packed=SimpleNamespace(device="cuda"))
+               for N, K in ((6144, 3584), (3584, 3072)))  # fmt: skip
+    picks = {T: (D.k_parts(2 * T, w13), D.k_parts(2 * T, w2)) for T in (1, 2, 4, 8, 64, 256)}
+    assert picks == {1: (7, 6), 2: (1, 6), 4: (1, 3), 8: (1, 1), 64: (1, 1), 256: (1, 1)}
+
+
 def test_decode_tiles_up_to_eight_slots_per_expert():
     """The routed experts take the Triton grouped GEMM's 16-row decode tiles while the batch
     has at most 8 slots per expert on average (a 256-token decode step of 112 experts top-2 has
