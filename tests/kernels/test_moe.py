@@ -5,9 +5,10 @@ reference reads the cast values in fp32, so the error measured is the path's own
 come from `k3kernels.moe.TOLERANCES`. CPU (default suite): the torch path of `fused_experts`
 (grouped GEMM, torch activation and combine) at tiny shapes, and the Triton kernels under
 TRITON_INTERPRET=1 (tests/conftest.py sets it, before triton is imported, when there is no
-GPU). GPU (`gpu`): K3-slice shapes
-(E 112, top-2, latent 3584, I 3072) at 8,192 and 64 tokens, an expert-parallel half, bf16 and
-fp32, determinism, and no host sync in the whole expert pass. Measured on an H200 (torch 2.11,
+GPU). GPU (`gpu`): K3-slice shapes (E 112, top-2, latent 3584, I 3072) at 8,192, 64 and 1
+tokens, an expert-parallel half, bf16 and fp32, determinism, and no host sync in the whole
+expert pass. The packed (MXFP4) experts' GEMMs: `test_w4a16.py`; shared inputs:
+`moe_inputs.py`. Measured on an H200 (torch 2.11,
 triton 3.6): T8192-prefill bf16 and fp32 and T64-decode bf16 pass; the remaining gpu cases have
 not run on a GPU yet.
 Old code: `Experts.forward` read the group counts with `.tolist()`, which
@@ -23,61 +24,9 @@ from k3kernels.moe.experts import fused_experts
 from k3kernels.moe.grouped_gemm import grouped_mm, grouped_mm_loop
 from k3kernels.moe.permute import sort_slots
 
+from moe_inputs import DTYPES, K3_SLICE, TINY, check_experts, inputs
+
 from k3batch.testing import assert_close
-
-# name -> (T, D, I, E, k, first_expert, local experts); E is the model's expert count.
-TINY = {
-    "T1-D32-I24-E8-k2": (1, 32, 24, 8, 2, 0, 8),
-    "T33-D32-I24-E8-k2": (33, 32, 24, 8, 2, 0, 8),
-    "T40-D64-I40-E6-k3": (40, 64, 40, 6, 3, 0, 6),
-    "T33-D32-I24-E8-k2-ep4of8": (33, 32, 24, 8, 2, 4, 4),
-}
-K3_SLICE = {
-    "T8192-prefill": (8192, 3584, 3072, 112, 2, 0, 112),
-    "T64-decode": (64, 3584, 3072, 112, 2, 0, 112),
-    "T1-decode": (1, 3584, 3072, 112, 2, 0, 112),
-    "T8192-ep2-rank1": (8192, 3584, 3072, 112, 2, 56, 56),
-}
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def _inputs(shape, dtype, device, seed=0):
-    """(x, w13, w2, ids, weights): fp32 draws cast to dtype; ids are distinct per token.
-    Drawn on `device`: at K3-slice shapes the weights are 3.7 G values, which a CPU generator
-    takes ~30 s to draw (the first H200 run timed out on that, not on a kernel)."""
-    T, D, I, E, k, first, local = shape
-    g = torch.Generator(device=device).manual_seed(seed)
-
-    def draw(fn, *size):
-        return fn(*size, generator=g, device=device)
-
-    x = draw(torch.randn, T, D)
-    w13 = draw(torch.randn, local, 2 * I, D) / D**0.5
-    w2 = draw(torch.randn, local, D, I) / I**0.5
-    ids = draw(torch.rand, T, E).topk(k, dim=-1).indices
-    w = draw(torch.rand, T, k) + 0.1
-    return x.to(dtype), w13.to(dtype), w2.to(dtype), ids, w
-
-
-def _check_experts(shape, dtype, device, use_triton, gemm_impl="torch", mxfp4=False):
-    """The whole pass against the fp32 reference; mxfp4: the weights quantized, the pass fed
-    them packed (W4A16 with use_triton and gemm_impl "auto" or "triton"), the reference their
-    dequantized values."""
-    x, w13, w2, ids, w = _inputs(shape, dtype, device)
-    first = shape[5]
-    kw = dict(act="situ", beta=4.0, linear_beta=25.0, first_expert=first)
-    if mxfp4:
-        from k3kernels.moe.mxfp4 import MXFP4Weight, quantize_mxfp4
-
-        w13, w2 = (MXFP4Weight.from_checkpoint(*quantize_mxfp4(t)) for t in (w13, w2))
-        ref = R.experts_reference(x, w13.dequantize(dtype), w2.dequantize(dtype), ids, w, **kw)
-    else:
-        ref = R.experts_reference(x, w13, w2, ids, w, **kw)
-    out = fused_experts(x, w13, w2, ids, w, use_triton=use_triton, gemm_impl=gemm_impl, **kw)
-    assert out.dtype == torch.float32
-    rel, mx = TOLERANCES[("experts", dtype)]
-    return assert_close("experts", ref, out, rel_rms=rel, max_abs=mx)
-
 
 def _check_act(M, I, act, dtype, device):
     """moe_act on fused rows, and gated_act on the same values as two strided views."""
@@ -195,49 +144,6 @@ def _check_many_experts(device):
     assert_close("grouped_mm_triton-37-experts", ref, out.cpu(), rel_rms=1e-5)
 
 
-def _check_grouped_mm_mxfp4(device, M=150, K=64, N=40, tol_bf16=5e-3, big=False, **blocks):
-    """The W4A16 grouped GEMM against dequantize-then-matmul: fp32 and bf16 activations, empty
-    groups, groups longer than one row tile, unused rows at the end; K = 48 has a partial last
-    scale group. Dequantized MXFP4 values are exact, so only the output rounding differs.
-    big: weights up to ~2^20, scales past `MAX_SMALL_SCALE` (the kernel's exact path)."""
-    from k3kernels.moe.mxfp4 import MXFP4Weight, quantize_mxfp4
-    from k3kernels.moe.reference import grouped_mm_mxfp4_reference
-    from k3kernels.moe.w4a16 import grouped_mm_mxfp4
-
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(M, K, generator=g)
-    E = 5
-    # Scales vary per row and group (factors 2^-3 .. 2^3), as real experts' do.
-    w = torch.randn(E, N, K, generator=g) * 2.0 ** torch.randint(-3, 4, (E, N, 1), generator=g)
-    packed, scale = quantize_mxfp4(w * (2.0**20 if big else K**-0.5))
-    wq = MXFP4Weight.from_checkpoint(packed.to(device), scale.to(device))
-    assert wq.small_scales != big
-    cut = M * 14 // 15
-    offs = torch.tensor([3, 3, cut // 2, cut, cut], dtype=torch.int32, device=device)
-    # fp32 on a GPU: tl.dot runs as TF32 (~3e-4 rms).
-    fp32_tol = 1e-5 if device == "cpu" else 2e-3
-    for dtype, tol in ((torch.float32, fp32_tol), (torch.bfloat16, tol_bf16)):
-        xd = x.to(device=device, dtype=dtype)
-        out = grouped_mm_mxfp4(xd, wq, offs, **blocks)[:cut]
-        ref = grouped_mm_mxfp4_reference(xd, wq, offs)
-        assert_close(f"grouped_mm_mxfp4_{dtype}", ref, out, rel_rms=tol)
-
-
-def test_grouped_mm_mxfp4_reference_is_dequantize_then_matmul():
-    """The oracle itself, against bf16 weights rounded through MXFP4 by hand."""
-    from k3kernels.moe.mxfp4 import MXFP4Weight, dequantize_mxfp4, quantize_mxfp4
-    from k3kernels.moe.reference import grouped_mm_mxfp4_reference
-
-    g = torch.Generator().manual_seed(6)
-    x, w = torch.randn(10, 64, generator=g), torch.randn(2, 8, 64, generator=g)
-    packed, scale = quantize_mxfp4(w)
-    wq = MXFP4Weight.from_checkpoint(packed, scale)
-    offs = torch.tensor([4, 10], dtype=torch.int32)
-    wd = dequantize_mxfp4(packed, scale)
-    ref = torch.cat([x[:4] @ wd[0].t(), x[4:] @ wd[1].t()])
-    assert torch.equal(grouped_mm_mxfp4_reference(x, wq, offs), ref)
-
-
 # ---- CPU, default suite --------------------------------------------------------------------
 
 
@@ -281,7 +187,7 @@ def test_grouped_mm_rows_do_not_depend_on_their_group_size():
 
 @pytest.mark.parametrize("shape", TINY.values(), ids=TINY.keys())
 def test_fused_experts_torch_path_matches_reference(shape):
-    _check_experts(shape, torch.float32, "cpu", use_triton=False)
+    check_experts(shape, torch.float32, "cpu", use_triton=False)
 
 
 def test_moe_block_reads_nothing_on_the_host(model_factory, monkeypatch):
@@ -337,26 +243,15 @@ def _interpreted_checks():
     _check_gather_interleaved(5, 512, "cpu")
     _check_parts("cpu")
     for name in ("T33-D32-I24-E8-k2", "T33-D32-I24-E8-k2-ep4of8"):
-        _check_experts(TINY[name], torch.float32, "cpu", use_triton=True)
+        check_experts(TINY[name], torch.float32, "cpu", use_triton=True)
     _check_grouped_mm_triton("cpu", block_n=16, block_k=16)
     _check_grouped_mm_triton("cpu", block_m=16, block_t=0, block_n=16, block_k=16)  # decode
     _check_many_experts("cpu")
     # tiles of 64 + 16 rows: the group of 3 runs the 16-row tile alone, those of 67 and 70 both
     # (their rows 64-66 and 64-69 in the second)
     _check_grouped_mm_triton("cpu", block_m=64, block_n=16, block_k=16, block_t=16)
-    # Wide tiles: the interpreter's time goes per operation, not per element. K = 48: one
-    # partial K step holding a partial scale group; N = 40: a partial column block.
-    for K, bm in ((48, 16), (64, 64)):  # a partial scale group at decode tiles; prefill tiles
-        _check_grouped_mm_mxfp4("cpu", K=K, block_m=bm, block_n=32, block_k=64)
-    _check_grouped_mm_mxfp4("cpu", K=64, N=32, block_m=16, block_n=32, block_k=64)  # no overhang
-    # an expert's last tile of at most 16 rows as a 16-row tile: the groups of 3, 67 (64 + 3)
-    # and 70 (64 + 6) rows
-    _check_grouped_mm_mxfp4("cpu", K=64, block_m=64, block_t=16, block_n=32, block_k=64)
-    for name in ("T33-D32-I24-E8-k2", "T33-D32-I24-E8-k2-ep4of8"):
-        _check_experts(TINY[name], torch.float32, "cpu", use_triton=True, mxfp4=True,
-                       gemm_impl="auto")  # fmt: skip
-    _check_experts(TINY["T33-D32-I24-E8-k2-ep4of8"], torch.float32, "cpu", use_triton=True,
-                   gemm_impl="triton")  # fmt: skip
+    check_experts(TINY["T33-D32-I24-E8-k2-ep4of8"], torch.float32, "cpu", use_triton=True,
+                  gemm_impl="triton")  # fmt: skip
 
 
 # ---- GPU: K3-slice shapes ------------------------------------------------------------------
@@ -367,63 +262,7 @@ def _interpreted_checks():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_experts_matches_reference_gpu(shape, dtype):
-    _check_experts(shape, dtype, "cuda", use_triton=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_grouped_mm_mxfp4_gpu():
-    """W4A16 against dequantize-then-matmul at K3 widths (rel RMS <= 2e-3 in bf16: only the
-    output rounding differs), prefill and decode tiles; then the whole packed pass."""
-    for K, N in ((3584, 6144), (3072, 3584)):
-        _check_grouped_mm_mxfp4("cuda", M=300, K=K, N=N, tol_bf16=2e-3)
-        _check_grouped_mm_mxfp4("cuda", M=40, K=K, N=N, tol_bf16=2e-3, block_m=16, block_n=64,
-                                block_k=128, num_stages=4)  # fmt: skip
-        _check_grouped_mm_mxfp4("cuda", M=40, K=K, N=N, tol_bf16=2e-3, big=True)
-        # 128-row tiles, an expert's last one of at most 64 rows as a 64-row tile (groups of
-        # 3, 137 and 140 rows)
-        _check_grouped_mm_mxfp4("cuda", M=300, K=K, N=N, tol_bf16=2e-3, block_m=128,
-                                block_t=64, block_n=128, block_k=128, num_warps=4,
-                                num_stages=3)  # fmt: skip
-    for shape in ("T8192-prefill", "T64-decode", "T1-decode", "T8192-ep2-rank1"):
-        _check_experts(K3_SLICE[shape], torch.bfloat16, "cuda", use_triton=True, mxfp4=True,
-                       gemm_impl="auto")  # fmt: skip
-    # at decode sizes "auto" is the Gluon kernel (`test_grouped_mm_mxfp4_decode_gpu`)
-    _check_experts(K3_SLICE["T64-decode"], torch.bfloat16, "cuda", use_triton=True, mxfp4=True,
-                   gemm_impl="triton")  # fmt: skip
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_grouped_mm_mxfp4_decode_gpu():
-    """The Gluon decode kernel against dequantize-then-matmul at K3 widths (rel RMS <= 2e-3 in
-    bf16): groups empty, of 1-2 rows and over two 8-row tiles, unused rows at the end; the same
-    bits on a second run; K split into parts (their fp32 sum); what it does not take (fp32,
-    large scales) it declines."""
-    from k3kernels.moe import w4a16_decode as D
-    from k3kernels.moe.mxfp4 import MXFP4Weight, quantize_mxfp4
-    from k3kernels.moe.reference import grouped_mm_mxfp4_reference
-
-    g = torch.Generator().manual_seed(6)
-    offs = torch.tensor([0, 2, 3, 21, 36], dtype=torch.int32, device="cuda")
-    for K, N in ((3584, 6144), (3072, 3584)):
-        w = torch.randn(5, N, K, generator=g) * 2.0 ** torch.randint(-3, 4, (5, N, 1), generator=g)
-        wq = MXFP4Weight.from_checkpoint(*(t.cuda() for t in quantize_mxfp4(w * K**-0.5)))
-        x = torch.randn(40, K, generator=g).to("cuda", torch.bfloat16)
-        assert D.supported(x, wq)
-        out = D.grouped_mm_mxfp4_decode(x, wq, offs)[:36]
-        assert torch.equal(out, D.grouped_mm_mxfp4_decode(x, wq, offs)[:36])
-        ref = grouped_mm_mxfp4_reference(x, wq, offs)
-        assert_close("grouped_mm_mxfp4_decode", ref, out, rel_rms=2e-3)
-        for parts in {d for d in (2, 3, K // 512) if K // 512 % d == 0}:  # 7; 2, 3, 6
-            split = D.grouped_mm_mxfp4_decode(x, wq, offs, parts=parts)
-            assert split.shape == (parts, 40, N) and split.dtype == torch.float32
-            assert_close(f"decode_parts{parts}", ref, split.sum(0)[:36], rel_rms=2e-3)
-        big = MXFP4Weight.from_checkpoint(*(t.cuda() for t in quantize_mxfp4(w * 2.0**20)))
-        assert not (D.supported(x.float(), wq) or D.supported(x, big))
-        if D._num_sms(x.device) == 132:  # an H100 or H200: one token (2 rows, 96 and 56
-            # programs unsplit) splits K into its 512-input steps
-            assert D.k_parts(2, wq) == K // 512
+    check_experts(shape, dtype, "cuda", use_triton=True)
 
 
 @pytest.mark.gpu
@@ -444,8 +283,8 @@ def test_grouped_mm_triton_gpu():
                              num_stages=4)  # fmt: skip
     _check_grouped_mm_triton("cuda", block_m=64, block_n=64, block_k=64, block_t=16)
     for shape in ("T8192-prefill", "T64-decode"):
-        _check_experts(K3_SLICE[shape], torch.bfloat16, "cuda", use_triton=True,
-                       gemm_impl="triton")  # fmt: skip
+        check_experts(K3_SLICE[shape], torch.bfloat16, "cuda", use_triton=True,
+                      gemm_impl="triton")  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -462,7 +301,7 @@ def test_moe_act_combine_and_gather_gpu(dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_experts_deterministic_and_sync_free_gpu():
-    x, w13, w2, ids, w = _inputs(K3_SLICE["T8192-prefill"], torch.bfloat16, "cuda")
+    x, w13, w2, ids, w = inputs(K3_SLICE["T8192-prefill"], torch.bfloat16, "cuda")
     kw = dict(act="situ", use_triton=True)
     first = fused_experts(x, w13, w2, ids, w, **kw)  # compiles the kernels
     torch.cuda.synchronize()
@@ -472,21 +311,6 @@ def test_fused_experts_deterministic_and_sync_free_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(first, again)
-
-
-def test_decode_kernel_splits_k_only_for_a_few_tokens(monkeypatch):
-    """`w4a16_decode.k_parts` on 132 SMs at k3-slice widths (112 experts, top-2): K in its
-    512-input steps at one token (7 and 6 parts: 96 and 56 programs unsplit), the down GEMM
-    alone at 2 and 4 tokens, nothing from 8 tokens on (where splitting was slower on the H200)."""
-    from types import SimpleNamespace
-
-    from k3kernels.moe import w4a16_decode as D
-
-    monkeypatch.setattr(D, "_num_sms", lambda device: 132)
-    w13, w2 = (SimpleNamespace(shape=(112, N, K), packed=SimpleNamespace(device="cuda"))
-               for N, K in ((6144, 3584), (3584, 3072)))  # fmt: skip
-    picks = {T: (D.k_parts(2 * T, w13), D.k_parts(2 * T, w2)) for T in (1, 2, 4, 8, 64, 256)}
-    assert picks == {1: (7, 6), 2: (1, 6), 4: (1, 3), 8: (1, 1), 64: (1, 1), 256: (1, 1)}
 
 
 def test_decode_tiles_up_to_eight_slots_per_expert():

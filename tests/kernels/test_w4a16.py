@@ -1,0 +1,149 @@
+"""The W4A16 grouped GEMMs of packed MXFP4 experts against dequantize-then-matmul: the Triton
+kernel (`k3kernels.moe.w4a16`) under TRITON_INTERPRET=1 on CPU and at K3 widths on the GPU, the
+Gluon decode kernel (`k3kernels.moe.w4a16_decode`; no interpreter: GPU only, and compiled for
+sm_90 on CPU by `test_sm90_compile.py`) whole and with K split, and the packed pass through
+either. Dequantized MXFP4 values are exact, so only the output rounding differs.
+"""
+
+import pytest
+import torch
+from moe_inputs import K3_SLICE, TINY, check_experts
+
+from k3batch.testing import assert_close
+
+
+def _check_grouped_mm_mxfp4(device, M=150, K=64, N=40, tol_bf16=5e-3, big=False, **blocks):
+    """The W4A16 grouped GEMM against dequantize-then-matmul: fp32 and bf16 activations, empty
+    groups, groups longer than one row tile, unused rows at the end; K = 48 has a partial last
+    scale group. Dequantized MXFP4 values are exact, so only the output rounding differs.
+    big: weights up to ~2^20, scales past `MAX_SMALL_SCALE` (the kernel's exact path)."""
+    from k3kernels.moe.mxfp4 import MXFP4Weight, quantize_mxfp4
+    from k3kernels.moe.reference import grouped_mm_mxfp4_reference
+    from k3kernels.moe.w4a16 import grouped_mm_mxfp4
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(M, K, generator=g)
+    E = 5
+    # Scales vary per row and group (factors 2^-3 .. 2^3), as real experts' do.
+    w = torch.randn(E, N, K, generator=g) * 2.0 ** torch.randint(-3, 4, (E, N, 1), generator=g)
+    packed, scale = quantize_mxfp4(w * (2.0**20 if big else K**-0.5))
+    wq = MXFP4Weight.from_checkpoint(packed.to(device), scale.to(device))
+    assert wq.small_scales != big
+    cut = M * 14 // 15
+    offs = torch.tensor([3, 3, cut // 2, cut, cut], dtype=torch.int32, device=device)
+    # fp32 on a GPU: tl.dot runs as TF32 (~3e-4 rms).
+    fp32_tol = 1e-5 if device == "cpu" else 2e-3
+    for dtype, tol in ((torch.float32, fp32_tol), (torch.bfloat16, tol_bf16)):
+        xd = x.to(device=device, dtype=dtype)
+        out = grouped_mm_mxfp4(xd, wq, offs, **blocks)[:cut]
+        ref = grouped_mm_mxfp4_reference(xd, wq, offs)
+        assert_close(f"grouped_mm_mxfp4_{dtype}", ref, out, rel_rms=tol)
+
+
+# ---- CPU, default suite --------------------------------------------------------------------
+
+
+def test_grouped_mm_mxfp4_reference_is_dequantize_then_matmul():
+    """The oracle itself, against bf16 weights rounded through MXFP4 by hand."""
+    from k3kernels.moe.mxfp4 import MXFP4Weight, dequantize_mxfp4, quantize_mxfp4
+    from k3kernels.moe.reference import grouped_mm_mxfp4_reference
+
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(10, 64, generator=g), torch.randn(2, 8, 64, generator=g)
+    packed, scale = quantize_mxfp4(w)
+    wq = MXFP4Weight.from_checkpoint(packed, scale)
+    offs = torch.tensor([4, 10], dtype=torch.int32)
+    wd = dequantize_mxfp4(packed, scale)
+    ref = torch.cat([x[:4] @ wd[0].t(), x[4:] @ wd[1].t()])
+    assert torch.equal(grouped_mm_mxfp4_reference(x, wq, offs), ref)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs on CPU")
+def test_w4a16_interpreted_on_cpu():
+    """The Triton W4A16 kernel at tiny shapes under TRITON_INTERPRET=1, alone and in the packed
+    pass."""
+    # Wide tiles: the interpreter's time goes per operation, not per element. K = 48: one
+    # partial K step holding a partial scale group; N = 40: a partial column block.
+    for K, bm in ((48, 16), (64, 64)):  # a partial scale group at decode tiles; prefill tiles
+        _check_grouped_mm_mxfp4("cpu", K=K, block_m=bm, block_n=32, block_k=64)
+    _check_grouped_mm_mxfp4("cpu", K=64, N=32, block_m=16, block_n=32, block_k=64)  # no overhang
+    # an expert's last tile of at most 16 rows as a 16-row tile: the groups of 3, 67 (64 + 3)
+    # and 70 (64 + 6) rows
+    _check_grouped_mm_mxfp4("cpu", K=64, block_m=64, block_t=16, block_n=32, block_k=64)
+    for name in ("T33-D32-I24-E8-k2", "T33-D32-I24-E8-k2-ep4of8"):
+        check_experts(TINY[name], torch.float32, "cpu", use_triton=True, mxfp4=True,
+                      gemm_impl="auto")  # fmt: skip
+
+
+def test_decode_kernel_splits_k_only_for_a_few_tokens(monkeypatch):
+    """`w4a16_decode.k_parts` on 132 SMs at k3-slice widths (112 experts, top-2): K in its
+    512-input steps at one token (7 and 6 parts: 96 and 56 programs unsplit), the down GEMM
+    alone at 2 and 4 tokens, nothing from 8 tokens on (where splitting was slower on the H200)."""
+    from types import SimpleNamespace
+
+    from k3kernels.moe import w4a16_decode as D
+
+    monkeypatch.setattr(D, "_num_sms", lambda device: 132)
+    w13, w2 = (SimpleNamespace(shape=(112, N, K), packed=SimpleNamespace(device="cuda"))
+               for N, K in ((6144, 3584), (3584, 3072)))  # fmt: skip
+    picks = {T: (D.k_parts(2 * T, w13), D.k_parts(2 * T, w2)) for T in (1, 2, 4, 8, 64, 256)}
+    assert picks == {1: (7, 6), 2: (1, 6), 4: (1, 3), 8: (1, 1), 64: (1, 1), 256: (1, 1)}
+
+
+# ---- GPU: K3 widths ------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_mm_mxfp4_gpu():
+    """W4A16 against dequantize-then-matmul at K3 widths (rel RMS <= 2e-3 in bf16: only the
+    output rounding differs), prefill and decode tiles; then the whole packed pass."""
+    for K, N in ((3584, 6144), (3072, 3584)):
+        _check_grouped_mm_mxfp4("cuda", M=300, K=K, N=N, tol_bf16=2e-3)
+        _check_grouped_mm_mxfp4("cuda", M=40, K=K, N=N, tol_bf16=2e-3, block_m=16, block_n=64,
+                                block_k=128, num_stages=4)  # fmt: skip
+        _check_grouped_mm_mxfp4("cuda", M=40, K=K, N=N, tol_bf16=2e-3, big=True)
+        # 128-row tiles, an expert's last one of at most 64 rows as a 64-row tile (groups of
+        # 3, 137 and 140 rows)
+        _check_grouped_mm_mxfp4("cuda", M=300, K=K, N=N, tol_bf16=2e-3, block_m=128,
+                                block_t=64, block_n=128, block_k=128, num_warps=4,
+                                num_stages=3)  # fmt: skip
+    for shape in ("T8192-prefill", "T64-decode", "T1-decode", "T8192-ep2-rank1"):
+        check_experts(K3_SLICE[shape], torch.bfloat16, "cuda", use_triton=True, mxfp4=True,
+                      gemm_impl="auto")  # fmt: skip
+    # at decode sizes "auto" is the Gluon kernel (`test_grouped_mm_mxfp4_decode_gpu`)
+    check_experts(K3_SLICE["T64-decode"], torch.bfloat16, "cuda", use_triton=True, mxfp4=True,
+                  gemm_impl="triton")  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_mm_mxfp4_decode_gpu():
+    """The Gluon decode kernel against dequantize-then-matmul at K3 widths (rel RMS <= 2e-3 in
+    bf16): groups empty, of 1-2 rows and over two 8-row tiles, unused rows at the end; the same
+    bits on a second run; K split into parts (their fp32 sum); what it does not take (fp32,
+    large scales) it declines."""
+    from k3kernels.moe import w4a16_decode as D
+    from k3kernels.moe.mxfp4 import MXFP4Weight, quantize_mxfp4
+    from k3kernels.moe.reference import grouped_mm_mxfp4_reference
+
+    g = torch.Generator().manual_seed(6)
+    offs = torch.tensor([0, 2, 3, 21, 36], dtype=torch.int32, device="cuda")
+    for K, N in ((3584, 6144), (3072, 3584)):
+        w = torch.randn(5, N, K, generator=g) * 2.0 ** torch.randint(-3, 4, (5, N, 1), generator=g)
+        wq = MXFP4Weight.from_checkpoint(*(t.cuda() for t in quantize_mxfp4(w * K**-0.5)))
+        x = torch.randn(40, K, generator=g).to("cuda", torch.bfloat16)
+        assert D.supported(x, wq)
+        out = D.grouped_mm_mxfp4_decode(x, wq, offs)[:36]
+        assert torch.equal(out, D.grouped_mm_mxfp4_decode(x, wq, offs)[:36])
+        ref = grouped_mm_mxfp4_reference(x, wq, offs)
+        assert_close("grouped_mm_mxfp4_decode", ref, out, rel_rms=2e-3)
+        for parts in {d for d in (2, 3, K // 512) if K // 512 % d == 0}:  # 7; 2, 3, 6
+            split = D.grouped_mm_mxfp4_decode(x, wq, offs, parts=parts)
+            assert split.shape == (parts, 40, N) and split.dtype == torch.float32
+            assert_close(f"decode_parts{parts}", ref, split.sum(0)[:36], rel_rms=2e-3)
+        big = MXFP4Weight.from_checkpoint(*(t.cuda() for t in quantize_mxfp4(w * 2.0**20)))
+        assert not (D.supported(x.float(), wq) or D.supported(x, big))
+        if D._num_sms(x.device) == 132:  # an H100 or H200: one token (2 rows, 96 and 56
+            # programs unsplit) splits K into its 512-input steps
+            assert D.k_parts(2, wq) == K // 512
