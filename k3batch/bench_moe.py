@@ -162,12 +162,12 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
         from k3kernels.moe.interleave import gather_interleaved
         from k3kernels.moe.w4a16 import grouped_mm_mxfp4
 
-        gemm, interleaved = pick_gemm(*packed[0], num_tokens * k, layers[0][0],
-                                      "triton" if cfg else impl)  # fmt: skip
+        if cfg:
+            gemm, interleaved = partial(grouped_mm_mxfp4, **cfg), False
+        else:
+            gemm, interleaved = pick_gemm(*packed[0], num_tokens * k, layers[0][0], impl)
         rows = [(gather_interleaved(xs), gather_interleaved(h), offs) if interleaved
                 else (xs, h, offs) for xs, h, offs in sorted_rows]  # fmt: skip
-        if cfg:
-            gemm = partial(grouped_mm_mxfp4, **cfg)
 
         def run():
             for (w13, w2), (xs, h, offs) in zip(packed, rows):

@@ -93,8 +93,7 @@ def pick_gemm(w13, w2, num_rows: int, x_TD, gemm_impl: str):
         from k3kernels.moe import w4a16_decode as G
         from k3kernels.moe.w4a16 import grouped_mm_mxfp4
 
-        fits = all(G.supported(x_TD, w, num_rows) for w in (w13, w2))
-        if gemm_impl == "auto" and fits:
+        if gemm_impl == "auto" and all(G.supported(x_TD, w, num_rows) for w in (w13, w2)):
             return partial(G.grouped_mm_mxfp4_decode, interleaved=True, parts=None), True
         return grouped_mm_mxfp4, False
     if gemm_impl == "auto":
