@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from k3kernels.moe.interleave import STEP, interleaved_column
+from k3kernels.pdl import launch_options, wait_then_signal
 
 # Launch settings, the best of 24 on one H200 (SiTU, bf16; `benchmarks/kernels_h200.txt`): two
 # rows of 1,024 columns per program from 4,096 rows on (16,384 x 3,072: 0.103 ms, 69% of the copy
@@ -39,8 +40,9 @@ def _sigmoid(z):
 @triton.jit
 def gated_act_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_part, stride_out, M, I,
                      beta, linear_beta, IS_SITU: tl.constexpr, INTERLEAVE: tl.constexpr,
-                     PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_I: tl.constexpr):  # fmt: skip
+                     PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+                     PDL: tl.constexpr):  # fmt: skip
+    wait_then_signal(PDL)
     row = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
     col = (tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I))[None, :]
     mask = (row < M) & (col < I)
@@ -100,8 +102,10 @@ def _launch(g_MI, u_MI, act, beta, linear_beta, block_m=None, interleave=False, 
         return out
     block_i = min(BLOCK_I, triton.next_power_of_2(I))
     grid = (triton.cdiv(M, block_m), triton.cdiv(I, block_i))
+    pdl = launch_options(out.device)
     gated_act_kernel[grid](g_MI, u_MI, out, g_MI.stride(-2), u_MI.stride(-2), stride_part,
                            out.stride(0), M, I, float(beta), float(linear_beta),
                            IS_SITU=act == "situ", INTERLEAVE=interleave, PARTS=parts,
-                           BLOCK_M=block_m, BLOCK_I=block_i, num_warps=NUM_WARPS)  # fmt: skip
+                           BLOCK_M=block_m, BLOCK_I=block_i, PDL=bool(pdl), num_warps=NUM_WARPS,
+                           **pdl)  # fmt: skip
     return out

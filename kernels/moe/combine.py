@@ -12,11 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
+from k3kernels.pdl import launch_options, wait_then_signal
+
 
 @triton.jit
 def moe_combine_kernel(y_ptr, pos_ptr, w_ptr, valid_ptr, out_ptr, stride_y, stride_part, D,
-                       TOP_K: tl.constexpr, PARTS: tl.constexpr,
-                       BLOCK_D: tl.constexpr):  # fmt: skip
+                       TOP_K: tl.constexpr, PARTS: tl.constexpr, BLOCK_D: tl.constexpr,
+                       PDL: tl.constexpr):  # fmt: skip
+    wait_then_signal(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < D
@@ -45,7 +48,9 @@ def moe_combine(y_MD, slot_pos_Tk, weights_Tk, valid_Tk) -> torch.Tensor:
         return out
     BLOCK_D = min(1024, triton.next_power_of_2(D))
     grid = (T, triton.cdiv(D, BLOCK_D))
+    pdl = launch_options(out.device)
     moe_combine_kernel[grid](y_MD, slot_pos_Tk.contiguous(), weights_Tk.float().contiguous(),
                              valid_Tk.contiguous().view(torch.uint8), out, y_MD.stride(-2),
-                             stride_part, D, TOP_K=k, PARTS=parts, BLOCK_D=BLOCK_D)  # fmt: skip
+                             stride_part, D, TOP_K=k, PARTS=parts, BLOCK_D=BLOCK_D,
+                             PDL=bool(pdl), **pdl)  # fmt: skip
     return out

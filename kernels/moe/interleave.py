@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3kernels.pdl import launch_options, wait_then_signal
+
 STEP = 256  # columns per interleaving step (the decode kernel's K step)
 BLOCK_K = 1024  # columns per program of `gather_interleaved`
 
@@ -26,7 +28,8 @@ def interleaved_column(col):
 
 @triton.jit
 def _gather_kernel(x_ptr, rows_ptr, out_ptr, K, stride_x, stride_out, HAS_ROWS: tl.constexpr,
-                   BLOCK_K: tl.constexpr):  # fmt: skip
+                   BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    wait_then_signal(PDL)
     m = tl.program_id(0)
     src = tl.load(rows_ptr + m).to(tl.int64) if HAS_ROWS else m.to(tl.int64)
     col = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -46,9 +49,10 @@ def gather_interleaved(x_TK: torch.Tensor, rows_M: torch.Tensor | None = None) -
     out = torch.empty(M, K, dtype=x_TK.dtype, device=x_TK.device)
     if M:
         grid = (M, triton.cdiv(K, BLOCK_K))
+        pdl = launch_options(x_TK.device)
         _gather_kernel[grid](x_TK, x_TK if rows_M is None else rows_M, out, K, x_TK.stride(0),
                              out.stride(0), HAS_ROWS=rows_M is not None, BLOCK_K=BLOCK_K,
-                             num_warps=4)  # fmt: skip
+                             PDL=bool(pdl), num_warps=4, **pdl)  # fmt: skip
     return out
 
 

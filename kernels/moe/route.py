@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from k3kernels.moe.permute import SlotOrder
+from k3kernels.pdl import launch_options, wait_then_signal
 
 MAX_SLOTS = 1024  # the counting sort's M^2 work stays under ~1 M compares
 
@@ -28,7 +29,8 @@ MAX_SLOTS = 1024  # the counting sort's M^2 work stays under ~1 M compares
 @triton.jit
 def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, scaling,
                  TOP_K: tl.constexpr, KP2: tl.constexpr, RENORM: tl.constexpr,
-                 BLOCK_E: tl.constexpr):  # fmt: skip
+                 BLOCK_E: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    wait_then_signal(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     emask = e < E
@@ -55,15 +57,19 @@ def route(logits_TE, bias_E, top_k: int, renormalize: bool, scaling: float):
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits_TE.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=logits_TE.device)
     if T:
+        pdl = launch_options(logits_TE.device)
         route_kernel[(T,)](logits_TE.float().contiguous(), bias_E.float().contiguous(), ids, w,
                            E, float(scaling), TOP_K=top_k, KP2=triton.next_power_of_2(top_k),
-                           RENORM=renormalize, BLOCK_E=triton.next_power_of_2(E))  # fmt: skip
+                           RENORM=renormalize, BLOCK_E=triton.next_power_of_2(E), PDL=bool(pdl),
+                           **pdl)  # fmt: skip
     return ids, w
 
 
 @triton.jit
 def sort_slots_kernel(ids_ptr, token_ptr, pos_ptr, valid_ptr, offs_ptr, M, E, first_expert,
-                      TOP_K: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+                      TOP_K: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                      PDL: tl.constexpr):  # fmt: skip
+    wait_then_signal(PDL)
     p = tl.program_id(0)
     i = p * BLOCK + tl.arange(0, BLOCK)
     imask = i < M
@@ -102,6 +108,8 @@ def sort_slots(ids_Tk: torch.Tensor, num_experts: int, first_expert: int = 0) ->
     offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
     BLOCK = 64
     grid = (max(triton.cdiv(M, BLOCK), triton.cdiv(num_experts, BLOCK)),)
+    pdl = launch_options(dev)
     sort_slots_kernel[grid](ids_Tk.long().contiguous(), token, pos, valid, offs, M, num_experts,
-                            first_expert, TOP_K=k, BLOCK=BLOCK, CHUNK=64)  # fmt: skip
+                            first_expert, TOP_K=k, BLOCK=BLOCK, CHUNK=64, PDL=bool(pdl),
+                            **pdl)  # fmt: skip
     return SlotOrder(token, offs, pos.view(T, k), valid.view(torch.bool).view(T, k))

@@ -41,6 +41,7 @@ import torch
 from k3kernels.moe.grouped_gemm_triton import _INTERPRETED, num_tile_slots, regime
 from k3kernels.moe.interleave import STEP, gather_interleaved
 from k3kernels.moe.mxfp4 import MXFP4Weight
+from k3kernels.pdl import launch_options
 
 try:
     from triton.experimental import gluon
@@ -109,9 +110,11 @@ def grouped_mm_mxfp4_decode(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Te
     xw = (x_MK if interleaved else gather_interleaved(x_MK)).view(torch.int32)
     qw = w.packed.view(torch.int32)
     grid = (num_tile_slots(M, E, BLOCK_M) * (N // BLOCK_N), parts)
+    pdl = launch_options(out.device)
     _w4a16_decode_kernel[grid](xw, qw, w.scale, out, offs_E, N, K, M, E, xw.stride(0),
                                qw.stride(0), qw.stride(1), w.scale.stride(0), w.scale.stride(1),
-                               out.stride(-2), PARTS=parts, num_warps=4)  # fmt: skip
+                               out.stride(-2), PARTS=parts, PDL=bool(pdl), num_warps=4,
+                               **pdl)  # fmt: skip
     return out
 
 
@@ -236,6 +239,15 @@ if gluon is not None:
                                   pack=1)  # fmt: skip
 
     @gluon.jit
+    def _wait_then_signal(PDL: gl.constexpr):
+        """`k3kernels.pdl.wait_then_signal` in Gluon."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r",
+                                      [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _load_step(w_ptrs, v_ptrs, s_ptrs, u_ptrs, x_ptrs, step):
         """Step `step`'s words (columns c and c + 8), their scale bytes and x's words."""
         return (gl.load(w_ptrs + step * 32), gl.load(v_ptrs + step * 32),
@@ -256,10 +268,12 @@ if gluon is not None:
     @gluon.jit
     def _w4a16_decode_kernel(x_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, M, E, stride_xw,
                              stride_qe, stride_qn, stride_se, stride_sn,
-                             stride_out, PARTS: gl.constexpr):  # fmt: skip
+                             stride_out, PARTS: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
         """x_ptr: interleaved x as int32 words, q_ptr: the packed words as int32; strides in
         elements. Program (axis 0): tile t of the experts' 8-row tiles (expert-major) x column
-        block; axis 1: its part of K (PARTS > 1: products into out[part])."""
+        block; axis 1: its part of K (PARTS > 1: products into out[part]). With PDL the group
+        ends (the slot sort's, two kernels or more back: `k3kernels.pdl`) are read and the
+        tile found before the wait for the previous kernel (x's writer)."""
         pid = gl.program_id(0)
         num_n = N // 128
         ee = gl.arange(0, 128, layout=EXPERTS)
@@ -268,8 +282,6 @@ if gluon is not None:
         tiles = gl.where(ee < E, (ends - starts + 7) // 8, 0)
         tile_ends = gl.associative_scan(tiles, 0, _add)
         expert = gl.sum((tile_ends <= pid // num_n).to(gl.int32), 0)
-        if expert >= E:  # past the last tile
-            return
         mine = ee == expert
         group_size = gl.sum(gl.where(mine, tiles, 0), 0)
         local = pid - (gl.sum(gl.where(mine, tile_ends, 0), 0) - group_size) * num_n
@@ -312,6 +324,9 @@ if gluon is not None:
                                    + gl.expand_dims(gl.expand_dims(xi * 16, 0), 2)
                                    + gl.expand_dims(gl.expand_dims(xw, 0), 1), 3))  # fmt: skip
 
+        _wait_then_signal(PDL)  # every program, so that the chain's order holds
+        if expert >= E:  # past the last tile
+            return
         acc0 = gl.full([128, 8], 0.0, gl.float32, MMA)
         acc1 = gl.full([128, 8], 0.0, gl.float32, MMA)
         wA, vA, sA, uA, xA = _load_step(w_ptrs, v_ptrs, s_ptrs, u_ptrs, x_ptrs, 0)

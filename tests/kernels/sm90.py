@@ -7,7 +7,8 @@ notes every launch of a `k3kernels` kernel during the session (argument types, c
 warps, stages); `compile_specs` compiles each distinct one for sm_90 with the pip Triton's own
 ptxas, no GPU needed (run as a script: the kernels must be imported without the interpreter).
 Constexprs the launchers set only because they run interpreted are given their GPU values
-(`GPU_VALUES`): the interpreter's fp32 upcast off, the PTX unpacking on for bf16 activations.
+(`GPU_VALUES`): the interpreter's fp32 upcast off, the PTX unpacking on for bf16 activations,
+programmatic dependent launch on.
 
 Also a kernel engineer's tool without a GPU: `K3_SM90_SPECS=specs.json pytest tests/kernels -k
 moe` writes the launches, then `python tests/kernels/sm90.py specs.json --sass` prints, per
@@ -38,6 +39,7 @@ _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
 GPU_VALUES = {
     "UPCAST": lambda sig: False,
     "PTX": lambda sig: sig.get("x_ptr") == "*bf16",
+    "PDL": lambda sig: True,  # `k3kernels.pdl`: off in the interpreter, on on an H200
 }
 
 

@@ -147,3 +147,47 @@ def test_grouped_mm_mxfp4_decode_gpu():
         if D._num_sms(x.device) == 132:  # an H100 or H200: one token (2 rows, 96 and 56
             # programs unsplit) splits K into its 512-input steps
             assert D.k_parts(2, wq) == K // 512
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_pass_with_dependent_launch_gpu(monkeypatch):
+    """The packed decode pass as the engine runs it (CUDA-graph replays, each kernel started
+    early by programmatic dependent launch, `k3kernels.pdl`) gives the bits of the same pass run
+    eagerly with every kernel serialized: 1 token (K split, parts summed downstream), 4 and 64
+    tokens, and an expert-parallel rank that holds none of a token's experts. A kernel that
+    read its input before the previous one finished would give other bits or the NaNs the
+    outputs are filled with before each replay."""
+    import k3kernels.pdl as pdl
+    from k3kernels.moe.experts import fused_experts
+    from k3kernels.moe.mxfp4 import MXFP4Weight, quantize_mxfp4
+    from moe_inputs import inputs
+
+    kw = dict(act="situ", beta=4.0, linear_beta=25.0)
+    shape = K3_SLICE["T64-decode"]
+    _, w13, w2, _, _ = inputs((1,) + shape[1:], torch.bfloat16, "cuda")
+    w13, w2 = (MXFP4Weight.from_checkpoint(*quantize_mxfp4(t)) for t in (w13, w2))
+    for T, first in ((1, 0), (4, 0), (64, 0), (4, 112)):
+        x, _, _, ids, w = inputs((T,) + shape[1:], torch.bfloat16, "cuda", seed=T)
+        runs = [(x, ids, w)] * 3  # three passes in one graph: each one's tail feeds the next
+        monkeypatch.setattr(pdl, "ENABLED", False)
+        want = [fused_experts(x, w13, w2, i, ww, first_expert=first, **kw) for x, i, ww in runs]
+        torch.cuda.synchronize()
+        monkeypatch.setattr(pdl, "ENABLED", True)
+        outs = [torch.empty_like(o) for o in want]
+
+        def step():
+            for o, (x, i, ww) in zip(outs, runs):
+                o.copy_(fused_experts(x, w13, w2, i, ww, first_expert=first, **kw))
+
+        step()  # compiles the PDL variants outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for _ in range(5):
+            for o in outs:
+                o.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            for o, ref in zip(outs, want):
+                assert torch.equal(o, ref), (T, first)
