@@ -142,7 +142,9 @@ if gluon is not None:
         warp_bases=[[0, 0, 0, 0], [0, 0, 0, 0]], block_bases=[], shape=[4, 8, 4, 8])
     X_QIW: gl.constexpr = gl.SliceLayout(3, X_WORDS)
     X_QI: gl.constexpr = gl.SliceLayout(2, X_WORDS)
-    EXPERTS: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    # the experts' group ends, 4 a thread, whole in each warp: the scan and the sums that find a
+    # program's tile stay within a warp (no shared memory, no barrier)
+    EXPERTS: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
     OUT: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [4, 1], [0, 1])
 
     @gluon.jit
@@ -271,9 +273,12 @@ if gluon is not None:
                              stride_out, PARTS: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
         """x_ptr: interleaved x as int32 words, q_ptr: the packed words as int32; strides in
         elements. Program (axis 0): tile t of the experts' 8-row tiles (expert-major) x column
-        block; axis 1: its part of K (PARTS > 1: products into out[part]). With PDL the group
-        ends (the slot sort's, two kernels or more back: `k3kernels.pdl`) are read and the
-        tile found before the wait for the previous kernel (x's writer)."""
+        block, after the tile slots that no tile fills (the grid is the host's bound
+        `num_tile_slots`: at 64 tokens ~40% of it); axis 1: its part of K (PARTS > 1: products
+        into out[part]). With PDL the group ends (the slot sort's, two kernels or more back:
+        `k3kernels.pdl`) are read and the tile found before the wait for the previous kernel
+        (x's writer), so the programs of empty slots, scheduled first, exit while that kernel
+        still runs (all but program 0, which keeps the chain's order)."""
         pid = gl.program_id(0)
         num_n = N // 128
         ee = gl.arange(0, 128, layout=EXPERTS)
@@ -281,10 +286,11 @@ if gluon is not None:
         starts = gl.load(offs_ptr + ee - 1, mask=(ee > 0) & (ee < E), other=0)
         tiles = gl.where(ee < E, (ends - starts + 7) // 8, 0)
         tile_ends = gl.associative_scan(tiles, 0, _add)
-        expert = gl.sum((tile_ends <= pid // num_n).to(gl.int32), 0)
+        p = pid - (gl.num_programs(0) // num_n - gl.max(tile_ends, 0)) * num_n  # < 0: empty
+        expert = gl.sum((tile_ends <= p // num_n).to(gl.int32), 0)
         mine = ee == expert
         group_size = gl.sum(gl.where(mine, tiles, 0), 0)
-        local = pid - (gl.sum(gl.where(mine, tile_ends, 0), 0) - group_size) * num_n
+        local = p - (gl.sum(gl.where(mine, tile_ends, 0), 0) - group_size) * num_n
         first = gl.sum(gl.where(mine, starts, 0), 0) + (local % group_size) * 8
         n_block = local // group_size
         end = gl.sum(gl.where(mine, ends, 0), 0)
@@ -324,8 +330,10 @@ if gluon is not None:
                                    + gl.expand_dims(gl.expand_dims(xi * 16, 0), 2)
                                    + gl.expand_dims(gl.expand_dims(xw, 0), 1), 3))  # fmt: skip
 
-        _wait_then_signal(PDL)  # every program, so that the chain's order holds
-        if expert >= E:  # past the last tile
+        if (p < 0) & (pid > 0):
+            return
+        _wait_then_signal(PDL)
+        if p < 0:
             return
         acc0 = gl.full([128, 8], 0.0, gl.float32, MMA)
         acc1 = gl.full([128, 8], 0.0, gl.float32, MMA)
