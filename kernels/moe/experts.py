@@ -8,7 +8,11 @@ single-launch counting sort of `route.py`); the slots' input rows are gathered
 [M, 2 I]; `moe_act` gives [M, I]; a grouped GEMM with w2 [E, D, I] gives [M, D]; `moe_combine`
 sums each token's k rows times its router weights in fp32. For the Gluon W4A16 decode kernel
 the gather and `moe_act` write their rows in its column order (`k3kernels.moe.interleave`),
-and where it splits K (one or two tokens) `moe_act` and `moe_combine` sum its fp32 parts.
+and where it splits K (one or two tokens) `moe_act` and `moe_combine` sum its fp32 parts. At
+decode sizes the Triton and Gluon kernels are chained by programmatic dependent launch
+(`k3kernels.pdl`); the gather stays a launch of its own so that the sort is two launches before
+the GEMM, which reads the sort's group ends before its wait (folded into the sort's launch, that
+read raced the sort on the H200: `benchmarks/kernels_h200.txt`, ninth session).
 With `use_triton=False` the two elementwise steps run as plain torch (same math), which is the
 CPU path of the model.
 Shape legend: T tokens, D input width, I expert width, E local experts, k top-k, M = T k.

@@ -27,10 +27,12 @@ activation and the combine.
 
 One H200, 7 k3-slice layers, both GEMMs, CUDA-graph replays, % of the copy bandwidth on the
 packed bytes (`k3batch bench moe --expert-dtype mxfp4`, "gemm-mxfp4" against
-"gemm-mxfp4-triton"; `benchmarks/kernels_h200.txt`, eighth session): tokens 1: 41% with K in 7
-and 6 parts, its parts unsummed (the Triton kernel 30%), 2: 47 (43), 4: 60 (56), 8: 65 (62), 16:
-71 (68), 64: 74 (71), 256: 73 (70). The whole routed pass: 27% (23), 38 (35), 52 (46), 60 (53),
-67 (65), 73 (68), 71 (67).
+"gemm-mxfp4-triton"; `benchmarks/kernels_h200.txt`, ninth session): tokens 1: 46% with K in 7
+and 6 parts, its parts unsummed (the Triton kernel 29%), 2: 49 (44), 4: 67 (56), 8: 72 (62), 16:
+77 (67), 64: 80 (70), 256: 77 (69). The whole routed pass, its kernels chained by programmatic
+dependent launch (`k3kernels.pdl`): 32% (24), 44 (36), 56 (47), 66 (54), 73 (65), 79 (67), 74
+(67). The grid's empty tile slots (the host cannot know how many tiles the routes make) come
+first and exit while the kernel before still runs: +4 to 5 points from 8 tokens on.
 Shape legend: M sorted rows, K input width, N output width, E experts.
 """
 
