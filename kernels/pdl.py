@@ -17,9 +17,9 @@ below sm_90.
 The routed-expert pass at decode (slot sort, gather, W4A16 GEMM, activation, W4A16 GEMM,
 combine) is such a chain. One H200, 7 k3-slice layers, MXFP4 experts, CUDA-graph replays, PDL
 against the same kernels without it, one process (`benchmarks/kernels_h200.txt`, ninth
-session): 1 token 184 against 218 us, 4 tokens 393 against 429, 16 tokens 1,155 against 1,190,
-64 tokens within the noise; with no GEMM tile to run (every slot another rank's) 70 against 95
-us, the chain's own cost. Prefetching the GEMM's first weight steps into L2 before its wait
+session; best of three rounds): 1 token 183 against 204 us, 4 tokens 393 against 429, 16 tokens
+1,155 against 1,190, 64 tokens within the noise; with no GEMM tile to run (every slot another
+rank's) 70 against 95 us, the chain's own cost. Prefetching the GEMM's first weight steps into L2 before its wait
 made it slower (205 us at one token).
 """
 
@@ -35,11 +35,11 @@ ENABLED = os.environ.get("TRITON_INTERPRET") != "1"  # read at import, like trit
 
 
 def launch_options(device: torch.device) -> dict:
-    """The launch options of a chain kernel on device: {"launch_pdl": True} where PDL applies,
-    else none. The kernel's PDL constexpr is `bool()` of them."""
+    """The keyword arguments of a chain kernel's launch on device: its `PDL` constexpr, and
+    Triton's `launch_pdl` where PDL applies."""
     if ENABLED and device.type == "cuda" and _sm90(device.index):
-        return {"launch_pdl": True}
-    return {}
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
 
 
 @functools.cache

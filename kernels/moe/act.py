@@ -102,10 +102,9 @@ def _launch(g_MI, u_MI, act, beta, linear_beta, block_m=None, interleave=False, 
         return out
     block_i = min(BLOCK_I, triton.next_power_of_2(I))
     grid = (triton.cdiv(M, block_m), triton.cdiv(I, block_i))
-    pdl = launch_options(out.device)
     gated_act_kernel[grid](g_MI, u_MI, out, g_MI.stride(-2), u_MI.stride(-2), stride_part,
                            out.stride(0), M, I, float(beta), float(linear_beta),
                            IS_SITU=act == "situ", INTERLEAVE=interleave, PARTS=parts,
-                           BLOCK_M=block_m, BLOCK_I=block_i, PDL=bool(pdl), num_warps=NUM_WARPS,
-                           **pdl)  # fmt: skip
+                           BLOCK_M=block_m, BLOCK_I=block_i, num_warps=NUM_WARPS,
+                           **launch_options(out.device))  # fmt: skip
     return out

@@ -48,9 +48,8 @@ def moe_combine(y_MD, slot_pos_Tk, weights_Tk, valid_Tk) -> torch.Tensor:
         return out
     BLOCK_D = min(1024, triton.next_power_of_2(D))
     grid = (T, triton.cdiv(D, BLOCK_D))
-    pdl = launch_options(out.device)
     moe_combine_kernel[grid](y_MD, slot_pos_Tk.contiguous(), weights_Tk.float().contiguous(),
                              valid_Tk.contiguous().view(torch.uint8), out, y_MD.stride(-2),
                              stride_part, D, TOP_K=k, PARTS=parts, BLOCK_D=BLOCK_D,
-                             PDL=bool(pdl), **pdl)  # fmt: skip
+                             **launch_options(out.device))  # fmt: skip
     return out

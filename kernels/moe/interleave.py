@@ -49,10 +49,9 @@ def gather_interleaved(x_TK: torch.Tensor, rows_M: torch.Tensor | None = None) -
     out = torch.empty(M, K, dtype=x_TK.dtype, device=x_TK.device)
     if M:
         grid = (M, triton.cdiv(K, BLOCK_K))
-        pdl = launch_options(x_TK.device)
         _gather_kernel[grid](x_TK, x_TK if rows_M is None else rows_M, out, K, x_TK.stride(0),
                              out.stride(0), HAS_ROWS=rows_M is not None, BLOCK_K=BLOCK_K,
-                             PDL=bool(pdl), num_warps=4, **pdl)  # fmt: skip
+                             num_warps=4, **launch_options(x_TK.device))  # fmt: skip
     return out
 
 

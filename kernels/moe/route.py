@@ -57,11 +57,10 @@ def route(logits_TE, bias_E, top_k: int, renormalize: bool, scaling: float):
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits_TE.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=logits_TE.device)
     if T:
-        pdl = launch_options(logits_TE.device)
         route_kernel[(T,)](logits_TE.float().contiguous(), bias_E.float().contiguous(), ids, w,
                            E, float(scaling), TOP_K=top_k, KP2=triton.next_power_of_2(top_k),
-                           RENORM=renormalize, BLOCK_E=triton.next_power_of_2(E), PDL=bool(pdl),
-                           **pdl)  # fmt: skip
+                           RENORM=renormalize, BLOCK_E=triton.next_power_of_2(E),
+                           **launch_options(logits_TE.device))  # fmt: skip
     return ids, w
 
 
@@ -108,8 +107,7 @@ def sort_slots(ids_Tk: torch.Tensor, num_experts: int, first_expert: int = 0) ->
     offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
     BLOCK = 64
     grid = (max(triton.cdiv(M, BLOCK), triton.cdiv(num_experts, BLOCK)),)
-    pdl = launch_options(dev)
     sort_slots_kernel[grid](ids_Tk.long().contiguous(), token, pos, valid, offs, M, num_experts,
-                            first_expert, TOP_K=k, BLOCK=BLOCK, CHUNK=64, PDL=bool(pdl),
-                            **pdl)  # fmt: skip
+                            first_expert, TOP_K=k, BLOCK=BLOCK, CHUNK=64,
+                            **launch_options(dev))  # fmt: skip
     return SlotOrder(token, offs, pos.view(T, k), valid.view(torch.bool).view(T, k))

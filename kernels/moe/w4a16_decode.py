@@ -112,11 +112,10 @@ def grouped_mm_mxfp4_decode(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Te
     xw = (x_MK if interleaved else gather_interleaved(x_MK)).view(torch.int32)
     qw = w.packed.view(torch.int32)
     grid = (num_tile_slots(M, E, BLOCK_M) * (N // BLOCK_N), parts)
-    pdl = launch_options(out.device)
     _w4a16_decode_kernel[grid](xw, qw, w.scale, out, offs_E, N, K, M, E, xw.stride(0),
                                qw.stride(0), qw.stride(1), w.scale.stride(0), w.scale.stride(1),
-                               out.stride(-2), PARTS=parts, PDL=bool(pdl), num_warps=4,
-                               **pdl)  # fmt: skip
+                               out.stride(-2), PARTS=parts, num_warps=4,
+                               **launch_options(out.device))  # fmt: skip
     return out
 
 
