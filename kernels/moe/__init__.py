@@ -2,7 +2,8 @@
 activation and a deterministic fp32 combine. No host syncs on the device path.
 
 - `reference.py`: the fp32 torch oracle (one plain loop over experts), any device.
-- `route.py`: the router's top-k and the decode-size slot sort, one Triton kernel each.
+- `route.py`: the router's top-k (one Triton kernel) and the slot sort (one launch at decode
+  sizes, two above).
 - `permute.py`: `sort_slots` (order of the token slots by expert, group offsets, each slot's
   position in that order), all on the device.
 - `grouped_gemm.py`: `grouped_mm` (`torch._grouped_mm` where it runs, a loop elsewhere).
@@ -26,7 +27,8 @@ TOLERANCES: dict[tuple[str, torch.dtype], tuple[float, float | None]] = {
     # each value; the CPU Triton interpreter truncates instead: ~2.3e-3); 5e-3 allows that plus
     # tanh built from exp (abs error ~1e-7).
     ("act", _bf16): (5e-3, None),
-    # Only tanh differs (exp formula vs torch.tanh): ~1e-7 absolute on O(1) outputs.
+    # tanh and sigmoid from exp2 and one reciprocal (MUFU approximations on a GPU, within 2 ulp)
+    # against torch.tanh and torch.sigmoid: ~1e-7 absolute on O(1) outputs.
     ("act", _fp32): (1e-5, None),
     # Products and a k-term sum in fp32 from the same values: summation order only.
     ("combine", _bf16): (1e-6, None),

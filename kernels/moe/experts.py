@@ -2,8 +2,8 @@
 activation, fp32 combine. The same function serves prefill and decode, the single-device
 model, pipeline stages and expert-parallel ranks (`first_expert` and the local expert count).
 
-Steps: `sort_slots` orders the T k token slots by expert (at decode sizes with Triton, the
-single-launch counting sort of `route.py`); the slots' input rows are gathered
+Steps: `sort_slots` orders the T k token slots by expert (with Triton, the counting sorts of
+`route.py`); the slots' input rows are gathered
 ([M, D], M = T k); one grouped GEMM with the fused gate-up weights w13 [E, 2 I, D] gives
 [M, 2 I]; `moe_act` gives [M, I]; a grouped GEMM with w2 [E, D, I] gives [M, D]; `moe_combine`
 sums each token's k rows times its router weights in fp32. For the Gluon W4A16 decode kernel
@@ -62,11 +62,10 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
     if T == 0:
         return torch.zeros(0, w2_EDI.shape[1], dtype=torch.float32, device=x_TD.device)
     sort = sort_slots
-    if use_triton:
+    if use_triton:  # one launch (decode) or two, not a dozen
         from k3kernels.moe import route
 
-        if ids_Tk.numel() <= route.MAX_SLOTS:  # decode: one launch, not a dozen
-            sort = route.sort_slots
+        sort = route.sort_slots
     order = sort(ids_Tk, w13_EFD.shape[0], first_expert)
     if interleave:  # the Gluon decode kernel's column order, written by the gather and act
         from k3kernels.moe.interleave import gather_interleaved

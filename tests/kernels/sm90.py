@@ -38,7 +38,7 @@ _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
 # constexpr -> its value on a GPU, given the launch's signature (name -> type)
 GPU_VALUES = {
     "UPCAST": lambda sig: False,
-    "PTX": lambda sig: sig.get("x_ptr") == "*bf16",
+    "PTX": lambda sig: sig.get("x_ptr", "*bf16") == "*bf16",  # W4A16: bf16 activations only
     "PDL": lambda sig: True,  # `k3kernels.pdl`: off in the interpreter, on on an H200
 }
 

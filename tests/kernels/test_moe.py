@@ -232,9 +232,23 @@ def _check_route_and_sort(T, E, k, device, first_expert=0, local=None):
         assert torch.equal(getattr(got, name), getattr(ref, name)), (name, T, E, k)
 
 
+def _check_blocked_sort(T, E, k, device, first_expert=0, local=None):
+    """The two-launch sort of more than `route.MAX_SLOTS` slots against `permute.sort_slots`
+    (equal), ids drawn unevenly (a few experts take most slots) with some on other ranks."""
+    from k3kernels.moe import route
+
+    g = torch.Generator().manual_seed(T + E)
+    ids = (torch.rand(T, k, generator=g) ** 3 * E).long().to(device)
+    local = local or E
+    got, ref = route.sort_slots(ids, local, first_expert), sort_slots(ids, local, first_expert)
+    for name in ref._fields:
+        assert torch.equal(getattr(got, name), getattr(ref, name)), (name, T, E, k)
+
+
 def _interpreted_checks():
     for T, E, k, first, local in ((1, 8, 2, 0, 8), (33, 8, 2, 4, 4), (70, 12, 3, 0, 12)):
         _check_route_and_sort(T, E, k, "cpu", first, local)
+    _check_blocked_sort(700, 12, 3, "cpu", first_expert=3, local=6)  # 2 blocks, the last partial
     for dtype in DTYPES.values():
         for act in ("situ", "silu"):
             _check_act(5, 40, act, dtype, "cpu")
@@ -268,11 +282,15 @@ def test_fused_experts_matches_reference_gpu(shape, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_route_and_sort_gpu():
-    """K3 (896 experts, top-16) and k3-slice (112, top-2) decode batches, an EP half."""
+    """K3 (896 experts, top-16) and k3-slice (112, top-2) decode batches, an EP half; the
+    two-launch sort at prefill sizes."""
     for T in (1, 16, 64):
         _check_route_and_sort(T, 896, 16, "cuda")
         _check_route_and_sort(T, 112, 2, "cuda")
     _check_route_and_sort(64, 896, 16, "cuda", first_expert=448, local=448)
+    _check_blocked_sort(8192, 112, 2, "cuda")  # k3-slice prefill
+    _check_blocked_sort(8192, 896, 16, "cuda", first_expert=448, local=448)  # K3, an EP half
+    _check_blocked_sort(3000, 64, 1, "cuda")
 
 
 @pytest.mark.gpu
