@@ -19,8 +19,8 @@ combine) is such a chain. One H200, 7 k3-slice layers, MXFP4 experts, CUDA-graph
 against the same kernels without it, one process (`benchmarks/kernels_h200.txt`, ninth
 session; best of three rounds): 1 token 183 against 204 us, 4 tokens 393 against 429, 16 tokens
 1,155 against 1,190, 64 tokens within the noise; with no GEMM tile to run (every slot another
-rank's) 70 against 95 us, the chain's own cost. Prefetching the GEMM's first weight steps into L2 before its wait
-made it slower (205 us at one token).
+rank's) 70 against 95 us, the chain's own cost. Prefetching the GEMM's first weight steps into
+L2 before its wait made it slower (205 us at one token).
 """
 
 import functools

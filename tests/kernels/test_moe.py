@@ -226,23 +226,24 @@ def _check_route_and_sort(T, E, k, device, first_expert=0, local=None):
         ids, w = route.route(logits, bias, k, renorm, scaling)
         assert torch.equal(ids, ref_ids), (T, E, k)
         assert_close(f"route-T{T}-E{E}-k{k}", ref_w, w, rel_rms=1e-6)
-    local = local or E
+    _check_sort_equal(ids, local or E, first_expert)
+
+
+def _check_sort_equal(ids, local, first_expert):
+    """`route.sort_slots` (one launch or two, by the slot count) equal to `permute.sort_slots`."""
+    from k3kernels.moe import route
+
     got, ref = route.sort_slots(ids, local, first_expert), sort_slots(ids, local, first_expert)
     for name in ref._fields:
-        assert torch.equal(getattr(got, name), getattr(ref, name)), (name, T, E, k)
+        assert torch.equal(getattr(got, name), getattr(ref, name)), (name, tuple(ids.shape), local)
 
 
 def _check_blocked_sort(T, E, k, device, first_expert=0, local=None):
     """The two-launch sort of more than `route.MAX_SLOTS` slots against `permute.sort_slots`
     (equal), ids drawn unevenly (a few experts take most slots) with some on other ranks."""
-    from k3kernels.moe import route
-
     g = torch.Generator().manual_seed(T + E)
     ids = (torch.rand(T, k, generator=g) ** 3 * E).long().to(device)
-    local = local or E
-    got, ref = route.sort_slots(ids, local, first_expert), sort_slots(ids, local, first_expert)
-    for name in ref._fields:
-        assert torch.equal(getattr(got, name), getattr(ref, name)), (name, T, E, k)
+    _check_sort_equal(ids, local or E, first_expert)
 
 
 def _interpreted_checks():

@@ -71,7 +71,7 @@ def test_w4a16_decode_kernel_compiles_without_shared_memory(tmp_path):
            "stride_xw": "i32", "stride_qe": "i32", "stride_qn": "i32", "stride_se": "i32",
            "stride_sn": "i32", "stride_out": "i32"}  # fmt: skip
     specs = [{"module": "k3kernels.moe.w4a16_decode", "kernel": "_w4a16_decode_kernel",
-              "signature": sig | {"out_ptr": out}, "aligned": [n for n in sig if n not in "ME"],
+              "signature": sig | {"out_ptr": out}, "aligned": [n for n in sig if n not in ("M", "E")],
               "constexprs": {"PARTS": parts, "PDL": True}, "num_warps": 4, "num_stages": 1}
              for out, parts in (("*bf16", 1), ("*fp32", 7))]  # fmt: skip
     report = _compile(specs, tmp_path, "--sass")
