@@ -27,13 +27,11 @@ Shape legend: T packed tokens, N sequences, H heads, K key dim, V value dim, NT 
 whole batch (sum over sequences of cdiv(len, BT)), NB blocks of the arena.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read at import, like triton.jit
+from k3kernels import INTERPRETED
 
 # Launch settings: the best of 36 on one H200 at k3-slice shapes (96 heads of 128, bf16; 1 x 8,192
 # and 4 x 2,048 tokens): 0.447 and 0.400 ms, as fast as fla's autotuned version of this loop
@@ -153,7 +151,7 @@ def chunk_state_prefill_(kg, w, u, gk, *, state_pool, slots, warm, cu_seqlens,
     table = torch.tensor([cu_seqlens, offsets], dtype=torch.long).to(kg.device, non_blocking=True)
     # tl.dot needs every tile dim >= 16; masks cover the padding.
     block_v = max(16, min(block_v, triton.next_power_of_2(V)))
-    upcast = _INTERPRETED and (kg.dtype, w.dtype) != (torch.float32, torch.float32)
+    upcast = INTERPRETED and (kg.dtype, w.dtype) != (torch.float32, torch.float32)
     chunk_state_prefill_kernel[(triton.cdiv(V, block_v), N * H)](
         kg, w, u, gk, h, v_new, state_pool, slots, warm, table[0], table[1],
         state_pool.stride(0), H=H, K=K, V=V, BT=chunk_size, BK=max(16, triton.next_power_of_2(K)),

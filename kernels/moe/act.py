@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3kernels.moe.grouped_gemm_triton import _INTERPRETED
+from k3kernels import INTERPRETED
 from k3kernels.moe.interleave import STEP, interleaved_column
 from k3kernels.pdl import launch_options, wait_then_signal
 
@@ -126,7 +126,7 @@ def _launch(g_MI, u_MI, act, beta, linear_beta, block_m=None, interleave=False, 
     gated_act_kernel[grid](g_MI, u_MI, out, g_MI.stride(-2), u_MI.stride(-2), stride_part,
                            out.stride(0), M, I, float(beta), float(linear_beta),
                            IS_SITU=act == "situ", INTERLEAVE=interleave, PARTS=parts,
-                           BLOCK_M=block_m, BLOCK_I=block_i, PTX=not _INTERPRETED,
+                           BLOCK_M=block_m, BLOCK_I=block_i, PTX=not INTERPRETED,
                            num_warps=NUM_WARPS,
                            **launch_options(out.device))  # fmt: skip
     return out

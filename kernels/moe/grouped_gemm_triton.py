@@ -43,14 +43,13 @@ Shape legend: M sorted rows, K input width, N output width, E experts.
 
 import functools
 import json
-import os
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read at import, like triton.jit
+from k3kernels import INTERPRETED
 
 
 def num_tile_slots(num_rows: int, num_experts: int, BLOCK_M: int) -> int:
@@ -186,7 +185,7 @@ def launch_config(num_rows: int, num_experts: int, weights: str = "bf16") -> dic
     The defaults' block_t is this kernel's: the W4A16 kernel takes one from its table only."""
     kind = regime(num_rows, num_experts)
     tuned = {}
-    if not _INTERPRETED and torch.cuda.is_available():
+    if not INTERPRETED and torch.cuda.is_available():
         tuned = tuned_configs(torch.cuda.get_device_name()).get(weights, {}).get(kind, {})
     defaults = dict(DEFAULT_CONFIGS[kind])
     if weights == "mxfp4":
@@ -237,6 +236,6 @@ def grouped_mm_triton(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Ten
     grouped_gemm_kernel[grid](xa_desc, xb_desc, w_desc, out, offs_E, N, K, out.stride(0), E,
                               BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_N=block_n,
                               BLOCK_K=block_k, BLOCK_E=block_e(E),
-                              UPCAST=_INTERPRETED and x_MK.dtype != torch.float32,
+                              UPCAST=INTERPRETED and x_MK.dtype != torch.float32,
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     return out

@@ -69,8 +69,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3kernels import INTERPRETED
 from k3kernels.moe.grouped_gemm_triton import (
-    _INTERPRETED,
     block_e,
     launch_config,
     num_tile_slots,
@@ -296,8 +296,8 @@ def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
         out.stride(0), E, GROUP=GROUP_SIZE, BLOCK_M=cfg["block_m"],
         BLOCK_T=block_t, BLOCK_N=cfg["block_n"],
         BLOCK_K=cfg["block_k"], BLOCK_E=block_e(E),
-        UPCAST=_INTERPRETED and x_MK.dtype != torch.float32,
-        PTX=not _INTERPRETED and x_MK.dtype == torch.bfloat16,
+        UPCAST=INTERPRETED and x_MK.dtype != torch.float32,
+        PTX=not INTERPRETED and x_MK.dtype == torch.bfloat16,
         EVEN=K % cfg["block_k"] == 0 and N % cfg["block_n"] == 0, SMALL_SCALES=w.small_scales,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

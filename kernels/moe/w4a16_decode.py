@@ -40,7 +40,8 @@ import functools
 
 import torch
 
-from k3kernels.moe.grouped_gemm_triton import _INTERPRETED, num_tile_slots, regime
+from k3kernels import INTERPRETED
+from k3kernels.moe.grouped_gemm_triton import num_tile_slots, regime
 from k3kernels.moe.interleave import STEP, gather_interleaved
 from k3kernels.moe.mxfp4 import MXFP4Weight
 from k3kernels.pdl import launch_options
@@ -64,7 +65,7 @@ def supported(x: torch.Tensor, w: MXFP4Weight, num_rows: int | None = None) -> b
     small scales (`MXFP4Weight`)."""
     E, N, K = w.shape
     M = x.shape[0] if num_rows is None else num_rows
-    return (gluon is not None and not _INTERPRETED and x.is_cuda
+    return (gluon is not None and not INTERPRETED and x.is_cuda
             and x.dtype == torch.bfloat16 and x.stride(-1) == 1
             and torch.cuda.get_device_capability(x.device) >= (9, 0)
             and regime(M, E) == "decode" and E <= MAX_EXPERTS
