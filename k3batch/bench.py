@@ -3,10 +3,11 @@ chunked prefill pipeline against the teaching model. `k3batch bench engine`: sin
 prefill and decode speed, prefill MFU, peak memory and (with --profile) the top ops by GPU time.
 `k3batch bench moe` lives in `bench_moe.py`.
 
-MFU counts useful FLOPs as 2 x active parameters per token (every projection, the top-k routed
-experts and the shared experts, the LM head; not the embedding lookup, not the attention
-scores), over BF16_TFLOPS (bf16 GEMM measured on the H200): k3-slice has 6.78 B active
-parameters, so 100% is about 57k tokens/s.
+MFU counts useful FLOPs as 2 x active parameters per token (`k3batch.roofline.active_params`:
+every projection, the top-k routed experts and the shared experts, the LM head; not the
+embedding lookup, not the attention scores), over BF16_TFLOPS (bf16 GEMM measured on the H200):
+k3-slice has 6.78 B active parameters, so 100% is about 57k tokens/s; kimi-linear has 3.11 B,
+so 100% is about 125k tokens/s.
 
 Teaching model: n equal chunks through P stages take n + P - 1 chunk-times, in which each stage
 works n of them, so the fill (mean busy fraction) is n / (n + P - 1): 5 chunks over 8 stages
@@ -22,7 +23,7 @@ import torch
 
 from k3batch.engine.config import EngineConfig
 from k3batch.model.forward_batch import ForwardBatch
-from k3batch.roofline import BF16_TFLOPS
+from k3batch.roofline import BF16_TFLOPS, active_params
 
 
 def teaching_fill(num_chunks: int, num_stages: int) -> float:
@@ -116,21 +117,6 @@ def run_pipeline_bench(model_dir, *, num_stages, chunk_counts, chunk_tokens, dev
     finally:
         if started:
             ray.shutdown()
-
-
-def active_params(config) -> int:
-    """Parameters a token meets (see module doc), from a meta-device model."""
-    from k3batch.model import K3Model
-
-    with torch.device("meta"):
-        model = K3Model(config)
-    total = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
-    idle = config.num_experts - config.num_experts_per_token
-    for layer in model.model.layers.values():
-        if hasattr(layer, "block_sparse_moe"):
-            ex = layer.block_sparse_moe.experts
-            total -= idle * (ex.w13.numel() + ex.w2.numel()) // config.num_experts
-    return total
 
 
 def _expert_dtype(model) -> str:

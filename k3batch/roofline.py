@@ -1,6 +1,11 @@
 """Rooflines: the least time a piece of work needs on one H200, its FLOPs at the bf16 GEMM peak
-or its bytes at the copy bandwidth, whichever is longer (`roofline_ms`); and the decode step's,
-component by component (`decode_floor`).
+or its bytes at the copy bandwidth, whichever is longer (`roofline_ms`); the decode step's,
+component by component (`decode_floor`); and the prefill's useful FLOPs, 2 x `active_params` per
+token, which `bench engine`'s MFU divides by the peak.
+
+Every count walks the parameters of a model of the config (meta device), so each flavor's own
+tensors are what is counted: q LoRA or a single q_proj, the MLA output gate or none, AttnRes or
+none, latent or full-width experts, MLA and KDA at the config's layer indices.
 
 A decode step of B sequences must read every weight outside the routed experts once
 (attention, dense FFN, shared experts, routers, norms, AttnRes, the LM head; of the embedding
@@ -51,9 +56,10 @@ def _is_routed(name: str) -> bool:
 
 def decode_floor(model, *, context_lens: list[int],
                  experts_selected: dict[int, int]) -> DecodeFloor:  # fmt: skip
-    """Bytes and FLOPs of one decode step of `model` (a K3Model, any device, meta included) over
-    sequences with `context_lens` tokens already cached; experts_selected: MoE layer index ->
-    number of distinct routed experts the step's tokens chose there."""
+    """Bytes and FLOPs of one decode step of `model` (a K3Model or a pipeline stage of one, any
+    device, meta included; only the layers it holds count) over sequences with `context_lens`
+    tokens already cached; experts_selected: MoE layer index -> number of distinct routed
+    experts the step's tokens chose there."""
     cfg = model.config
     B = len(context_lens)
     dense = dense_params = 0
@@ -72,17 +78,37 @@ def decode_floor(model, *, context_lens: list[int],
     experts = sum(experts_selected.get(layer, 0) * n // E for layer, n in routed.items())
     D = cfg.routed_expert_hidden_size or cfg.hidden_size
     expert_flops = len(routed) * 2 * B * k * 3 * D * I
-    act_bytes = next(model.parameters()).element_size()
+    # the model dtype (conv states and latents): a norm's, since a stage's first parameter may be
+    # an fp32 A_log; the KDA and MLA layers are those the model (or stage) holds
+    layers = model.model.layers
+    act_bytes = next(iter(layers.values())).input_layernorm.weight.element_size()
     C, W = cfg.kda_proj_size, cfg.short_conv_kernel_size
     per_kda = cfg.kda_num_heads * cfg.kda_head_dim**2 * 4 + 3 * C * (W - 1) * act_bytes
-    kda = 2 * B * per_kda * len(cfg.kda_layer_ids)
-    tokens = sum(n + 1 for n in context_lens) * len(cfg.mla_layer_ids)
+    kda = 2 * B * per_kda * sum(str(i) in layers for i in cfg.kda_layer_ids)
+    tokens = sum(n + 1 for n in context_lens) * sum(str(i) in layers for i in cfg.mla_layer_ids)
     mla_flops = tokens * cfg.num_attention_heads * 2 * (cfg.mla_latent_size + cfg.kv_lora_rank)
     return DecodeFloor(
         bytes={"dense": dense, "experts": experts, "kda": kda,
                "mla": tokens * cfg.mla_latent_size * act_bytes},
         flops={"dense": 2 * B * dense_params, "experts": expert_flops, "kda": 0, "mla": mla_flops},
     )  # fmt: skip
+
+
+def active_params(config) -> int:
+    """Parameters a token meets in a forward: every parameter but the embedding (a row lookup),
+    with the routed experts at top-k of E (the shared experts whole). 2 x this is the useful
+    FLOPs of one prefill token (no attention scores, no KDA recurrence); kimi-linear: 3.11 B."""
+    from k3batch.model import K3Model
+
+    with torch.device("meta"):
+        model = K3Model(config)
+    total = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
+    idle = config.num_experts - config.num_experts_per_token
+    for layer in model.model.layers.values():
+        if hasattr(layer, "block_sparse_moe"):
+            ex = layer.block_sparse_moe.experts
+            total -= idle * (ex.w13.numel() + ex.w2.numel()) // config.num_experts
+    return total
 
 
 class RouteCounter:

@@ -1,5 +1,6 @@
 """The decode roofline's byte count on the full K3 shape (meta device) against the spec's
-figures (sections 8 and 9), its FLOPs and where they bind, and the route counter on k3-debug."""
+figures (sections 8 and 9), its FLOPs and where they bind, kimi-linear's prefill and decode
+counts against a hand count, and the route counter on k3-debug."""
 
 import torch
 
@@ -128,3 +129,78 @@ def test_profile_summary_on_cpu():
     assert 0 < ops["aten::mm"]["pct"] <= 100 and prof["wall_ms"] > 0
     table = format_profile(prof, "3 products").splitlines()
     assert table[0].startswith("3 products under the profiler") and len(table) == 2 + len(ops)
+
+
+def test_kimi_linear_counts_by_hand():
+    """kimi-linear's prefill FLOPs and decode floor against a count written out from the public
+    config, tensor by tensor, not by walking the model: hidden 2,304; 20 KDA layers (32 heads of
+    128, conv 4, low-rank f and g of rank 128); 7 MLA layers at 0-based 3, 7, ..., 23, 26 (32
+    heads, q_proj without LoRA, no output gate, latents 512 + 64); the dense FFN (9,216) in layer
+    0; 26 MoE layers of 256 experts of 1,024, top 8, one shared; vocab 163,840; no AttnRes. bf16
+    weights, fp32 conv weights, A_log, dt_bias and correction bias, as the checkpoint holds them."""
+    from k3batch.roofline import active_params
+
+    cfg = get_flavor("kimi-linear")
+    assert cfg.mla_layer_ids == (3, 7, 11, 15, 19, 23, 26) and len(cfg.kda_layer_ids) == 20
+    D, V = 2304, 163_840
+    kda_bf16 = (
+        3 * 4096 * D  # q_proj, k_proj, v_proj
+        + 128 * D + 4096 * 128  # f_a_proj, f_b_proj
+        + 128 * D + 4096 * 128  # g_a_proj, g_b_proj
+        + 32 * D  # b_proj
+        + 128  # o_norm
+        + D * 4096  # o_proj
+    )
+    kda_fp32 = 3 * 4096 * 4 + 32 + 4096  # q/k/v_conv1d [4096, 1, 4], A_log [32], dt_bias [4096]
+    mla = (
+        32 * 192 * D  # q_proj: 32 heads x (128 nope + 64 rope)
+        + 576 * D  # kv_a_proj_with_mqa: 512 latent + 64 rope
+        + 512  # kv_a_layernorm
+        + 32 * 256 * 512  # kv_b_proj: 32 heads x (128 nope + 128 v)
+        + D * 32 * 128  # o_proj
+    )
+    norms = 2 * D  # input_layernorm, post_attention_layernorm
+    dense_ffn = 3 * 9216 * D
+    router_bf16, router_fp32 = 256 * D, 256  # gate.weight, gate.e_score_correction_bias
+    shared = 3 * 1024 * D
+    expert = 3 * 1024 * D  # one routed expert: w1, w3 [1024, D], w2 [D, 1024]
+    head = V * D  # lm_head; the embedding is the same size
+    bf16 = 20 * kda_bf16 + 7 * mla + 27 * norms + dense_ffn + 26 * (router_bf16 + shared) + D + head
+    fp32 = 20 * kda_fp32 + 26 * router_fp32
+    assert bf16 + fp32 + head + 26 * 256 * expert == 49_122_681_728  # the "48B" of the model card
+
+    # Prefill (MFU): 2 x the parameters a token meets, 8 of the 256 experts.
+    assert active_params(cfg) == bf16 + fp32 + 26 * 8 * expert == 3_106_972_544
+
+    # Decode: 4 sequences, 20 distinct experts chosen in every MoE layer.
+    with torch.device("meta"):
+        model = K3Model(cfg, dtype=torch.bfloat16)
+    ctx = [100, 200, 300, 400]
+    B, tokens = len(ctx), sum(n + 1 for n in ctx)  # each cached token plus the new one
+    moe = dict.fromkeys(range(1, 27), 20)
+    floor = decode_floor(model, context_lens=ctx, experts_selected=moe)
+    assert floor.bytes == {
+        "dense": 2 * bf16 + 4 * fp32 + B * D * 2,  # B embedding rows
+        "experts": 26 * 20 * expert * 2,
+        "kda": 2 * B * 20 * (32 * 128 * 128 * 4 + 3 * 4096 * 3 * 2),  # fp32 state, 3 convs of 3
+        "mla": tokens * 7 * 576 * 2,
+    }
+    assert floor.flops == {
+        "dense": 2 * B * (bf16 + fp32),
+        "experts": 26 * 2 * B * 8 * expert,
+        "kda": 0,
+        "mla": tokens * 7 * 32 * 2 * (576 + 512),  # absorbed: scores over 576, values over 512
+    }
+    # MXFP4 experts: 4.25 bits a weight (a byte of scale per 32); the rest as in bf16.
+    with torch.device("meta"):
+        packed = K3Model(cfg, dtype=torch.bfloat16, expert_dtype="mxfp4")
+    mx = decode_floor(packed, context_lens=ctx, experts_selected=moe)
+    assert mx.bytes == floor.bytes | {"experts": 26 * 20 * (expert // 2 + expert // 32)}
+    assert mx.flops == floor.flops
+    # A pipeline stage (layers 1 to 4, MLA at 3) whose first parameter is an fp32 A_log still
+    # counts its latents and conv states in bf16.
+    with torch.device("meta"):
+        stage = K3Model(cfg, dtype=torch.bfloat16, layer_range=(1, 5))
+    part = decode_floor(stage, context_lens=ctx, experts_selected=moe)
+    assert part.bytes["mla"] == tokens * 1 * 576 * 2
+    assert part.bytes["kda"] == 2 * B * 3 * (32 * 128 * 128 * 4 + 3 * 4096 * 3 * 2)
