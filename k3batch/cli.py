@@ -227,14 +227,19 @@ def eval_cmd(suite, lm_eval_tasks, include_path, num_fewshot, limit, seed, job_f
 @click.option("--cache-gib", default=None, type=float,
               help="One layout only: cache pool per GPU (default: what is left).")  # fmt: skip
 @click.option("--reserve-gib", default=4.0, show_default=True, type=float, help="Activations.")
+@click.option("--experts", type=click.Choice(["auto", "bf16", "mxfp4"]), default="auto",
+              show_default=True,
+              help="Routed experts in memory: auto as the checkpoint stores them (k3 MXFP4, "
+                   "Kimi Linear bf16); mxfp4 as `init-checkpoint --experts mxfp4` keeps them.")
 def plan_cmd(flavor, model_dir, gpu, pp, tp, dcp, min_requests, memory_fraction, page_size,
-             context_len, cache_gib, reserve_gib):  # fmt: skip
+             context_len, cache_gib, reserve_gib, experts):  # fmt: skip
     """Print weights and cache bytes per GPU and the context capacity of a layout.
 
-    With --pp, --tp or --dcp: that layout (the others at their defaults). With none of them:
-    search for the layout of the fewest GPUs per replica that holds the weights plus --requests
-    requests of --context-len tokens per decode group; print every layout tried with why it
-    does not fit (which side, GB over), then the chosen layout's plan."""
+    With --pp, --tp or --dcp: that layout (the others at their defaults; --tp 1 alone is one
+    GPU, a single-device engine: kimi-linear on an H200, or an H100 with --experts mxfp4).
+    With none of them: search for the layout of the fewest GPUs per replica that holds the
+    weights plus --requests requests of --context-len tokens per decode group; print every
+    layout tried with why it does not fit (which side, GB over), then the chosen layout's plan."""
     from k3batch.model.config import K3Config
     from k3batch.plan import (
         DEFAULT_MIN_REQUESTS,
@@ -243,6 +248,7 @@ def plan_cmd(flavor, model_dir, gpu, pp, tp, dcp, min_requests, memory_fraction,
         checkpoint_config,
         make_plan,
         smallest_layout,
+        with_experts,
     )
 
     search = pp is None and tp is None and dcp is None
@@ -263,6 +269,7 @@ def plan_cmd(flavor, model_dir, gpu, pp, tp, dcp, min_requests, memory_fraction,
           "page_size": page_size, "reserve_bytes": int(reserve_gib * GiB)}  # fmt: skip
     try:
         config = K3Config.from_hf(model_dir) if model_dir else checkpoint_config(flavor)
+        config = with_experts(config, experts)
         if search:
             found = smallest_layout(
                 config, **kw, min_requests=or_default(min_requests, DEFAULT_MIN_REQUESTS),

@@ -5,6 +5,9 @@
 `smallest_layout(config, gpu=...)` plans layouts in order of GPUs per replica and returns the
 first that holds the weights plus a workload (`min_requests` requests of `context_len` tokens in
 one decode group's pool), with every layout it tried and why each does not fit.
+pp 1 with tp 1 is a single-device replica (`ReplicaSpec.is_single_device`): one engine on one
+GPU holds the weights once and prefills and decodes from one pool, so its figures are the
+decode rank's and it counts as 1 GPU (disaggregated it would take 2 for the same figures).
 Assumptions (also printed by `Plan.lines()`):
 - GPU memory is the vendor figure in `GPUS`, in GB of 1e9 bytes (an H200 is 141e9 B).
 - Weights are counted in checkpoint bytes per parameter of a meta-device `K3Model`: routed
@@ -49,10 +52,22 @@ MXFP4_BYTES_PER_PARAM = 0.53125  # 4 bits + one 8-bit E8M0 scale per 32 values
 BF16_BYTES = 2
 
 
-def checkpoint_config(flavor: str) -> K3Config:
-    """The named flavor as its official checkpoint stores it: `k3`'s routed experts are MXFP4."""
+def checkpoint_config(flavor: str, experts: str = "auto") -> K3Config:
+    """The named flavor as its official checkpoint stores it (`k3`'s routed experts are MXFP4,
+    Kimi Linear's bf16), or with its routed experts `experts` ("bf16" or "mxfp4", as
+    `k3batch init-checkpoint --experts` writes them and `load_model` keeps them)."""
     config = get_flavor(flavor)
-    return dataclasses.replace(config, experts_mxfp4=True) if flavor == "k3" else config
+    return with_experts(config, "mxfp4" if experts == "auto" and flavor == "k3" else experts)
+
+
+def with_experts(config: K3Config, experts: str) -> K3Config:
+    """`config` with its routed experts stored as `experts`: "auto" (unchanged), "bf16" or
+    "mxfp4". Raises ValueError on another value."""
+    if experts not in ("auto", "bf16", "mxfp4"):
+        raise ValueError(f"experts = {experts!r}; expected auto, bf16 or mxfp4")
+    if experts == "auto":
+        return config
+    return dataclasses.replace(config, experts_mxfp4=experts == "mxfp4")
 
 
 def pool_bytes(
@@ -102,14 +117,17 @@ def _tensors(config: K3Config) -> tuple[tuple[str, float, bool], ...]:
 
 
 def weight_bytes(
-    config: K3Config, *, tp_size: int = 1, layer_range: tuple[int, int] | None = None
-) -> int:
+    config: K3Config, *, tp_size: int = 1, layer_range: tuple[int, int] | None = None,
+    routed_only: bool = False,
+) -> int:  # fmt: skip
     """Checkpoint bytes one GPU holds: layers [first, last) (default all), the embedding if
     first == 0, the final AttnRes, norm and LM head if last == num_hidden_layers; tensors that
-    TP splits divided by tp_size."""
+    TP splits divided by tp_size. `routed_only`: of these, the routed experts' alone."""
     first, last = layer_range or (0, config.num_hidden_layers)
     total = 0.0
     for name, nbytes, split in _tensors(config):
+        if routed_only and not name.endswith((".experts.w13", ".experts.w2")):
+            continue
         if name.startswith("model.layers."):
             held = first <= int(name.split(".")[2]) < last
         elif name.startswith("model.embed_tokens."):
@@ -141,6 +159,7 @@ class Plan:
     total_weight_bytes: int  # the whole checkpoint
     stage_weight_bytes: tuple[int, ...]  # per prefill stage
     decode_weight_bytes: int
+    decode_expert_bytes: int  # of decode_weight_bytes, the routed experts'
     kda_state_bytes: int  # fp32 recurrent state, one request, one GPU
     kda_conv_bytes: int  # conv states, one request, one GPU
     kda_block_bytes: int  # what the pool allocates per request: state + conv, aligned
@@ -155,6 +174,16 @@ class Plan:
     capacity_tokens: int | None  # logical context capacity of a decode group
     capacity_tokens_no_dcp: int | None
     problems: tuple[str, ...]
+
+    @property
+    def is_single_device(self) -> bool:
+        """pp 1 and tp 1: one engine on one GPU prefills and decodes (see the module doc)."""
+        return self.pp_size == 1 and self.tp_size == 1
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs per replica: pp prefill stages + tp decode ranks, or 1 for a single device."""
+        return 1 if self.is_single_device else self.pp_size + self.tp_size
 
     @property
     def prefill_weight_bytes(self) -> int:
@@ -178,6 +207,7 @@ class Plan:
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | {
+            "num_gpus": self.num_gpus,
             "prefill_weight_bytes": self.prefill_weight_bytes,
             "fits": self.fits,
             "dcp_gain": self.dcp_gain,
@@ -188,15 +218,22 @@ class Plan:
         stage_idx = self.stage_weight_bytes.index(self.prefill_weight_bytes)
         first, last = self.stage_layers[stage_idx]
         given = "given budget" if self.pool_source == "cache_bytes" else "memory left"
+        one = " (one GPU: a single-device engine prefills and decodes)"
+        experts = "MXFP4" if self.expert_bytes_per_param < BF16_BYTES else "bf16"
+        holder = "single device" if self.is_single_device else "decode rank"
         out = [
             (f"plan: {self.name} on {self.gpu} ({self.gpu_bytes / 1e9:.0f} GB), "
-             f"pp {self.pp_size}, tp {self.tp_size}, dcp {self.dcp_size}, "
-             f"memory fraction {self.memory_fraction}"),
+             f"pp {self.pp_size}, tp {self.tp_size}, dcp {self.dcp_size}"
+             f"{one if self.is_single_device else ''}, memory fraction {self.memory_fraction}"),
             f"weights per GPU (checkpoint total {_gb(self.total_weight_bytes)}):",
-            f"  decode rank (whole model, tp {self.tp_size}): {_gb(self.decode_weight_bytes)}",
-            (f"  prefill stage {stage_idx} (the largest; layers [{first}, {last})): "
-             f"{_gb(self.prefill_weight_bytes)}"),
-            "cache per decode GPU:",
+            f"  {holder} (whole model, tp {self.tp_size}): {_gb(self.decode_weight_bytes)}",
+            f"    of which routed experts ({experts}): {_gb(self.decode_expert_bytes)}",
+        ]  # fmt: skip
+        if not self.is_single_device:
+            out.append(f"  prefill stage {stage_idx} (the largest; layers [{first}, {last})): "
+                       f"{_gb(self.prefill_weight_bytes)}")  # fmt: skip
+        out += [
+            "cache per decode GPU:" if not self.is_single_device else "cache on the GPU:",
             (f"  MLA latent: {self.mla_bytes_per_token:,.0f} B / token "
              f"({self.mla_token_bytes:,} B / dcp {self.dcp_size})"),
             (f"  KDA: {self.kda_state_bytes:,} B / request recurrent state "
@@ -230,6 +267,14 @@ class Plan:
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
+
+
+def _sides(single_device: bool, prefill: int, decode: int) -> tuple[tuple[str, int], ...]:
+    """The GPUs whose weights must fit: one single device (prefill = decode), or the largest
+    prefill stage and a decode rank."""
+    if single_device:
+        return (("single device", decode),)
+    return (("prefill stage", prefill), ("decode rank", decode))
 
 
 def _gb(n: float) -> str:
@@ -283,7 +328,7 @@ def make_plan(
     gpu_bytes = int(GPUS[gpu])
     usable = int(gpu_bytes * memory_fraction)
     problems = []
-    for what, nbytes in (("prefill stage", prefill), ("decode rank", decode)):
+    for what, nbytes in _sides(pp_size == tp_size == 1, prefill, decode):
         if nbytes + reserve_bytes > usable:
             problems.append(
                 f"{what} weights {nbytes / 1e9:.1f} GB + reserve {reserve_bytes / 1e9:.1f} GB > "
@@ -322,6 +367,7 @@ def make_plan(
         total_weight_bytes=weight_bytes(config),
         stage_weight_bytes=stage_bytes,
         decode_weight_bytes=decode,
+        decode_expert_bytes=weight_bytes(config, tp_size=tp_size, routed_only=True),
         kda_state_bytes=state,
         kda_conv_bytes=num_kda * layout.conv_bytes,
         kda_block_bytes=layout.block_bytes,
@@ -364,8 +410,8 @@ def shortfall(plan: Plan, min_requests: int) -> list[str]:
     """Why `plan` does not hold its weights plus min_requests requests of plan.context_len
     tokens per decode group: each side that is over and by how much. Empty when it fits."""
     why = []
-    for side, nbytes in (("prefill stage", plan.prefill_weight_bytes),
-                         ("decode rank", plan.decode_weight_bytes)):  # fmt: skip
+    sides = _sides(plan.is_single_device, plan.prefill_weight_bytes, plan.decode_weight_bytes)
+    for side, nbytes in sides:
         over = nbytes + plan.reserve_bytes - plan.usable_bytes
         if over > 0:
             why.append(f"{side} {over / 1e9:,.1f} GB over")
@@ -393,8 +439,8 @@ class LayoutSearch:
         first = self.tried[0]
         ctx = f"{first.context_len:,}"
         out = [
-            (f"search: the fewest GPUs per replica (pp prefill stages + a tp decode group) for "
-             f"{first.name} on {first.gpu} ({first.gpu_bytes / 1e9:.0f} GB, memory fraction "
+            (f"search: the fewest GPUs per replica (pp prefill stages + a tp decode group, or "
+             f"one single-device GPU at pp 1, tp 1) for {first.name} on {first.gpu} ({first.gpu_bytes / 1e9:.0f} GB, memory fraction "
              f"{first.memory_fraction}) holding the weights and {self.min_requests} requests "
              f"of {ctx} tokens per decode group"),
             (f"  pp in {', '.join(map(str, self.pp_sizes))}; tp in "
@@ -408,20 +454,23 @@ class LayoutSearch:
             result = "; ".join(why) or ("fits (chosen)" if p is self.chosen else "fits")
             held = "-" if p.max_requests is None else f"{p.max_requests:,}"
             out.append(
-                f"  {p.pp_size + p.tp_size:>4} {p.pp_size:>3} {p.tp_size:>3} {p.dcp_size:>3} "
+                f"  {p.num_gpus:>4} {p.pp_size:>3} {p.tp_size:>3} {p.dcp_size:>3} "
                 f"{p.prefill_weight_bytes / 1e9:>10,.1f} {p.decode_weight_bytes / 1e9:>10,.1f} "
                 f"{held:>8}  {result}"
             )
         c = self.chosen
         if c is None:
-            gpus = max(p.pp_size + p.tp_size for p in self.tried)
+            gpus = max(p.num_gpus for p in self.tried)
             return out + [f"no layout of up to {gpus} GPUs per replica fits"]
         per_node = GPUS_PER_NODE[c.gpu]
+        split = "a single-device engine" if c.is_single_device else (
+            f"{c.pp_size} prefill + {c.tp_size} decode")  # fmt: skip
         out += [
             (f"smallest layout: pp {c.pp_size}, tp {c.tp_size}, dcp {c.dcp_size} = "
-             f"{c.pp_size + c.tp_size} GPUs per replica ({c.pp_size} prefill + {c.tp_size} "
-             f"decode; {_nodes(c.pp_size + c.tp_size, per_node)} of {per_node} {c.gpu}): "
-             f"decode weights {c.decode_weight_bytes / 1e9:,.1f} GB and cache pool "
+             f"{c.num_gpus} GPU{'s' if c.num_gpus > 1 else ''} per replica ({split}; "
+             f"{_nodes(c.num_gpus, per_node)} of {per_node} {c.gpu}): "
+             f"{'' if c.is_single_device else 'decode '}weights "
+             f"{c.decode_weight_bytes / 1e9:,.1f} GB and cache pool "
              f"{c.pool_bytes / 1e9:,.1f} GB per GPU, {c.max_requests:,} requests of {ctx} "
              f"tokens (>= {self.min_requests})"),
         ]  # fmt: skip
@@ -452,20 +501,24 @@ def smallest_layout(
     max_tp: int = MAX_SEARCH_TP,
     **plan_kw,
 ) -> LayoutSearch:
-    """Plan layouts in order of GPUs per replica (pp + tp; pp a power of two up to max_pp and
-    num_hidden_layers, tp in `tp_sizes`, dcp = tp) and choose, among those of the fewest GPUs
-    whose weights fit and whose decode pool holds min_requests requests of context_len tokens,
-    the one holding the most requests. `plan_kw` goes to `make_plan` (name, memory_fraction,
-    page_size, reserve_bytes, ...). Raises ValueError on bad values."""
+    """Plan layouts in order of GPUs per replica (pp + tp, 1 for pp = tp = 1; pp a power of two
+    up to max_pp and num_hidden_layers, tp in `tp_sizes`, dcp = tp) and choose, among those of
+    the fewest GPUs whose weights fit and whose decode pool holds min_requests requests of
+    context_len tokens, the one holding the most requests. `plan_kw` goes to `make_plan` (name,
+    memory_fraction, page_size, reserve_bytes, ...). Raises ValueError on bad values."""
     if min_requests < 1:
         raise ValueError(f"min_requests = {min_requests} must be >= 1")
     if max_pp < 1 or max_tp < 1:
         raise ValueError(f"max_pp = {max_pp} and max_tp = {max_tp} must be >= 1")
     pps = [1 << i for i in range(max_pp.bit_length()) if 1 << i <= config.num_hidden_layers]
     tps = tp_sizes(config, max_tp)
-    layouts = sorted(itertools.product(pps, tps), key=lambda pt: (sum(pt), pt))
+
+    def num_gpus(pt: tuple[int, int]) -> int:
+        return 1 if pt == (1, 1) else sum(pt)  # as `Plan.num_gpus`
+
+    layouts = sorted(itertools.product(pps, tps), key=lambda pt: (num_gpus(pt), pt))
     tried, fits = [], []
-    for _, group in itertools.groupby(layouts, key=sum):
+    for _, group in itertools.groupby(layouts, key=num_gpus):
         for pp, tp in group:
             plan = make_plan(config, gpu=gpu, pp_size=pp, tp_size=tp, dcp_size=tp,
                              context_len=context_len, **plan_kw)  # fmt: skip

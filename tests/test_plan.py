@@ -1,4 +1,5 @@
-"""The capacity planner against the K3 blog's figures (spec sections 8, 9), its errors, the CLI."""
+"""The capacity planner against the K3 blog's figures (spec sections 8, 9), kimi-linear on one
+GPU, its errors, the CLI."""
 
 import dataclasses
 import json
@@ -190,11 +191,13 @@ def test_search_reports_a_short_cache_and_no_fit():
         smallest_layout(K3, min_requests=0)
 
 
-def test_search_on_a_tiny_flavor_stops_at_two_gpus():
+def test_search_on_a_tiny_flavor_stops_at_one_gpu():
     tiny = checkpoint_config("k3-debug")  # 2 KDA heads: tp 1 or 2
     search = smallest_layout(tiny, gpu="h100", min_requests=1, context_len=1024)
     assert search.tp_sizes == (1, 2) and len(search.tried) == 1
     assert (search.chosen.pp_size, search.chosen.tp_size, search.chosen.dcp_size) == (1, 1, 1)
+    assert search.chosen.is_single_device and search.chosen.num_gpus == 1
+    assert "= 1 GPU per replica (a single-device engine;" in str(search)
 
 
 def test_cli_plan_searches_without_a_layout(k3_h200):
@@ -202,7 +205,7 @@ def test_cli_plan_searches_without_a_layout(k3_h200):
     assert out.exit_code == 0, out.output
     text = out.output
     assert "gpus  pp  tp dcp prefill GB  decode GB requests  result" in text
-    assert "prefill stage 1,437.3 GB over; decode rank 1,437.3 GB over" in text  # pp 1, tp 1
+    assert "-  single device 1,437.3 GB over\n" in text  # pp 1, tp 1: one GPU
     assert "decode rank 84.5 GB over" in text and "prefill stage 80.0 GB over" in text
     assert "smallest layout: pp 16, tp 16, dcp 16 = 32 GPUs per replica" in text
     assert "47 requests of 131,072 tokens (>= 32)" in text and "spans 2 nodes of 8" in text
@@ -248,3 +251,64 @@ def test_h200_job_is_the_planner_layout(k3_h200, tmp_path):
     # it validates against the real K3 config (TP/DCP sizes, PP split)
     (tmp_path / "config.json").write_text(json.dumps(K3.to_hf()))
     dataclasses.replace(spec, model=str(tmp_path)).validate()
+
+
+# ---- kimi-linear on one GPU ------------------------------------------------------------------
+
+KIMI_LINEAR = checkpoint_config("kimi-linear")  # bf16 experts, as the public checkpoint
+ONE_GPU = {"pp_size": 1, "tp_size": 1, "context_len": 131_072}
+
+
+def test_kimi_linear_fits_one_h200_in_bf16_and_one_h100_only_with_mxfp4():
+    """49,122,681,728 parameters (tests/test_roofline.py counts them by hand), 47,110,422,528 of
+    them in the 26 x 256 routed experts: 98.2 GB in bf16 exceed an H100's 0.9 x 80 GB but leave
+    24.4 GB of an H200's 126.9 GB for the cache; MXFP4-packed experts (17/32 B a parameter)
+    make 29.1 GB, which leave 38.7 GB of an H100. Per request: 20 KDA layers of fp32 state
+    (32 x 128 x 128 x 4 B) and conv states; per token: 7 MLA layers of 576 bf16 latents."""
+    assert not KIMI_LINEAR.experts_mxfp4
+    params, routed = 49_122_681_728, 26 * 256 * 3 * 1024 * 2304
+    h200 = make_plan(KIMI_LINEAR, gpu="h200", **ONE_GPU)
+    h100 = make_plan(KIMI_LINEAR, gpu="h100", **ONE_GPU)
+    mxfp4 = checkpoint_config("kimi-linear", experts="mxfp4")
+    h100_mx = make_plan(mxfp4, gpu="h100", **ONE_GPU)
+    assert h200.is_single_device and h200.num_gpus == 1
+    assert h200.decode_weight_bytes == h100.decode_weight_bytes == 2 * params
+    assert h200.decode_expert_bytes == 2 * routed
+    assert h100_mx.decode_weight_bytes == 2 * (params - routed) + routed * 17 // 32
+    assert h100_mx.decode_expert_bytes == routed * 17 // 32
+    # bf16: an H200 yes, an H100 no; MXFP4: an H100 yes
+    assert h200.fits and h200.pool_bytes == int(141e9 * 0.9) - 2 * params - 4 * GiB
+    assert not h100.fits and h100.pool_bytes is None
+    assert h100.problems == ("single device weights 98.2 GB + reserve 4.3 GB > 0.9 x 80 GB = "
+                             "72.0 GB of h100",)  # fmt: skip
+    assert h100_mx.fits
+    assert h100_mx.pool_bytes == int(80e9 * 0.9) - h100_mx.decode_weight_bytes - 4 * GiB
+    # the cache: per request and per token, then what the pools hold
+    for plan in (h200, h100_mx):
+        assert plan.kda_state_bytes == 20 * 32 * 128 * 128 * 4
+        assert plan.kda_conv_bytes == 20 * 3 * 4096 * 3 * 2
+        assert plan.mla_bytes_per_token == 7 * 576 * 2
+    assert round(h200.pool_bytes / 1e9, 1) == 24.4 and h200.max_requests == 22
+    assert round(h100_mx.pool_bytes / 1e9, 1) == 38.7 and h100_mx.max_requests == 35
+    assert h200.capacity_tokens == 2_905_494 and h100_mx.capacity_tokens == 4_610_341
+    # the search chooses the one GPU where it holds the workload, and says why not elsewhere
+    assert smallest_layout(KIMI_LINEAR, gpu="h200", min_requests=16).chosen.num_gpus == 1
+    assert smallest_layout(mxfp4, gpu="h100", min_requests=16).chosen.num_gpus == 1
+    on_h100 = smallest_layout(KIMI_LINEAR, gpu="h100", min_requests=16)
+    assert shortfall(on_h100.tried[0], 16) == ["single device 30.5 GB over"]
+    assert on_h100.chosen.num_gpus == 4
+
+
+def test_cli_plan_kimi_linear_on_one_gpu():
+    runner = CliRunner()
+    args = ["plan", "--flavor", "kimi-linear", "--tp", "1", "--context-len", "131072"]
+    out = runner.invoke(main, args + ["--gpu", "h200"])
+    assert out.exit_code == 0, out.output
+    assert "pp 1, tp 1, dcp 1 (one GPU: a single-device engine prefills and decodes)" in out.output
+    assert "of which routed experts (bf16): 94,220,845,056 B" in out.output
+    assert "pool: 24,359,669,248 B (24.4 GB" in out.output and "fits: yes" in out.output
+    out = runner.invoke(main, args + ["--gpu", "h100"])
+    assert "DOES NOT FIT: single device weights 98.2 GB" in out.output
+    out = runner.invoke(main, args + ["--gpu", "h100", "--experts", "mxfp4"])
+    assert "routed experts (MXFP4): 25,027,411,968 B" in out.output and "fits: yes" in out.output
+    assert "8,064 B / token" in out.output and "41,943,040 B / request" in out.output
