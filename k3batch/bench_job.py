@@ -1,7 +1,8 @@
 """`k3batch bench job`: the batch job end to end against the engine alone, same workload.
 
-Writes a random-weight checkpoint of a flavor (MXFP4 experts for K3 flavors, as the official
-checkpoints store them) unless one is given, a Parquet file of N prompts of random token ids
+Writes a random-weight checkpoint of a flavor (MXFP4 experts for K3 flavors, bf16 for Kimi
+Linear, as the official checkpoints store them, unless `experts` says otherwise: kimi-linear's
+bf16 checkpoint is 98 GB, its MXFP4 one 29 GB) unless one is given, a Parquet file of N prompts of random token ids
 (the `random` dataset of vLLM's and SGLang's offline benchmarks: fixed input and output
 lengths, EOS ignored), runs `run_job` on it, then the same prompts through one engine in this
 process (`Engine.generate`, after the job has released its devices). Prints rows/s, input and
@@ -40,10 +41,13 @@ def write_random_prompts(path: Path, num_prompts: int, input_len: int, vocab: in
 def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
                   output_len: int, device: str = "auto", model_dir=None, seed: int = 0,
                   num_replicas: int = 1, max_num_seqs: int = 0, layout: dict | None = None,
-                  chunk_size: int | None = None, engine_alone: bool = True) -> dict:  # fmt: skip
+                  chunk_size: int | None = None, engine_alone: bool = True,
+                  experts: str = "auto") -> dict:  # fmt: skip
     """The job and (engine_alone) the single engine on the same prompts; a row of numbers.
     layout: the replicas' pp, tp, dcp, disaggregate (default: one device each); chunk_size:
-    the engine's prompt tokens per request per prefill step (default: EngineConfig's)."""
+    the engine's prompt tokens per request per prefill step (default: EngineConfig's);
+    experts: the routed experts of the checkpoint written (`init_checkpoint`'s argument; the
+    replicas keep MXFP4 ones packed)."""
     from k3batch.actors.build import build_engine, default_device
     from k3batch.driver.job import run_job
     from k3batch.jobspec import InputSpec, JobSpec, OutputSpec, ReplicaSpec
@@ -53,9 +57,9 @@ def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
     work = Path(work_dir)
     dev = default_device() if device == "auto" else device
     if model_dir is None:
-        model_dir = work / f"model-{flavor}"
+        model_dir = work / (f"model-{flavor}" + ("" if experts == "auto" else f"-{experts}"))
         if not (model_dir / "config.json").exists():
-            init_checkpoint(flavor, model_dir, seed, device=dev)  # the model it returns is freed
+            init_checkpoint(flavor, model_dir, seed, experts, device=dev)  # the model is freed
             if dev == "cuda":  # the job's replica needs the memory
                 import torch
 

@@ -205,10 +205,14 @@ def bench_host(flavor, num_prompts, input_len, output_len, arena_gib, profile, j
 @click.option("--disaggregate", is_flag=True,
               help="A decode group apart from prefill also at tp = 1 (pp = tp = 1: 2 GPUs).")
 @click.option("--no-engine", is_flag=True, help="Skip the engine-alone run.")
+@click.option("--experts", type=click.Choice(["auto", "bf16", "mxfp4"]), default="auto",
+              show_default=True,
+              help="Routed experts of the checkpoint written (auto: MXFP4 for K3 flavors, bf16 "
+                   "for Kimi Linear; kimi-linear on one H100 needs mxfp4).")  # fmt: skip
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def bench_job(flavor, model_dir, work_dir, num_prompts, input_len, output_len, device,
               num_replicas, max_num_seqs, chunk_size, pp, tp, disaggregate, no_engine,
-              json_path):  # fmt: skip
+              experts, json_path):  # fmt: skip
     """The batch job on random-token prompts: rows/s, tokens/s, and against the engine alone."""
     from k3batch.bench_job import format_job_bench, run_job_bench
 
@@ -216,7 +220,8 @@ def bench_job(flavor, model_dir, work_dir, num_prompts, input_len, output_len, d
     row = run_job_bench(flavor, work_dir, num_prompts=num_prompts, input_len=input_len,
                         output_len=output_len, device=device, model_dir=model_dir,
                         num_replicas=num_replicas, max_num_seqs=max_num_seqs, layout=layout,
-                        chunk_size=chunk_size, engine_alone=not no_engine)  # fmt: skip
+                        chunk_size=chunk_size, engine_alone=not no_engine,
+                        experts=experts)  # fmt: skip
     click.echo(json.dumps(row))
     click.echo(format_job_bench(row))
     _append_jsonl(json_path, [row])

@@ -1,6 +1,7 @@
 """`k3batch bench engine` on CPU at tiny shapes: on a checkpoint (`--model`), its experts as
 stored (MXFP4 packed) or dequantized, with a chosen grouped GEMM for bf16 experts, or two
-alternating in one process; the row names what ran; the numbers are positive."""
+alternating in one process; on random kimi-linear-debug weights; the row names what ran; the
+numbers are positive."""
 
 import pytest
 
@@ -32,3 +33,21 @@ def test_bench_engine_names_an_unknown_gemm():
 
     out = CliRunner().invoke(main, ["bench", "engine", "--moe-gemm", "torch,cutlass"])
     assert out.exit_code == 2 and "'cutlass' is not one of auto, torch, triton" in out.output
+
+
+@pytest.mark.parametrize("expert_dtype,held", [("bf16", "float32"), ("mxfp4", "mxfp4")])
+def test_bench_engine_kimi_linear_flavor_on_cpu(expert_dtype, held):
+    """`bench engine --flavor kimi-linear-debug` (the kimi-linear shape at tiny widths: no
+    AttnRes, q_proj, 7 MLA of 27 layers, one shared expert) on random weights, experts bf16 or
+    packed: the row's roofline counts this flavor's layers (26 MoE layers of top-2 experts of
+    64 x 24, 20 KDA layers of 2 x 16 x 16 fp32 state, 7 MLA layers of 40 latents)."""
+    batch, prompt_len, new_tokens = 2, 12, 3
+    row = engine_throughput("kimi-linear-debug", device="cpu", batch=batch,
+                            prompt_len=prompt_len, new_tokens=new_tokens, chunk_size=16,
+                            expert_dtype=expert_dtype)  # fmt: skip
+    assert row["flavor"] == "kimi-linear-debug" and row["expert_dtype"] == held
+    assert row["prefill_tokens_per_s"] > 0 and row["decode_step_ms"] > 0
+    assert row["decode_flops"]["experts"] == 26 * 2 * batch * 2 * 3 * 64 * 24
+    assert row["decode_bytes"]["kda"] == 2 * batch * 20 * (2 * 16 * 16 * 4 + 3 * 32 * 3 * 4)
+    context = prompt_len + new_tokens // 2  # the floor's context per sequence
+    assert row["decode_bytes"]["mla"] == batch * (context + 1) * 7 * 40 * 4

@@ -27,6 +27,7 @@ from k3batch.model.k3 import K3Model
 from k3batch.model.moe import note_packed_scales_
 from k3kernels.moe.mxfp4 import (
     dequantize_mxfp4,
+    from_word_layout,
     quantize_mxfp4_stacked,
     round_to_mxfp4_,
     to_word_layout,
@@ -329,7 +330,9 @@ def write_checkpoint(
 
     MXFP4 (`config.experts_mxfp4`) is lossy: the model's routed-expert parameters are first
     replaced IN PLACE by dequantize(quantize(w)), so that loading the checkpoint gives back
-    exactly the returned model's experts. `max_shard_bytes` defaults to 2 MiB for models under
+    exactly the returned model's experts. A model holding its experts packed (expert_dtype
+    "mxfp4") writes their bytes as they are, and only into an MXFP4 checkpoint (ValueError
+    otherwise). `max_shard_bytes` defaults to 2 MiB for models under
     256 MiB (so tiny flavors exercise the index) and 4 GiB otherwise; shards are written one at
     a time, so peak extra memory is about one shard.
     """
@@ -341,6 +344,10 @@ def write_checkpoint(
     if not (model.is_first and model.is_last):
         raise ValueError(f"write_checkpoint needs a whole model, got layers {model.layer_range}")
     config, out_dir = model.config, Path(out_dir)
+    params = dict(model.named_parameters())
+    if not config.experts_mxfp4 and any(n.endswith("_packed") for n in params):
+        raise ValueError("a model holding packed MXFP4 experts writes an MXFP4 checkpoint: "
+                         "its config needs experts_mxfp4 = True")  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
     if config.experts_mxfp4:
         _round_experts_to_mxfp4_(model)
@@ -350,7 +357,6 @@ def write_checkpoint(
         max_shard_bytes = _TINY_SHARD_BYTES if total_bytes < 256 * 2**20 else _LARGE_SHARD_BYTES
     groups = _split_shards(entries, max_shard_bytes)
     prefix = K3_PREFIX if config.is_k3 else ""
-    params = dict(model.named_parameters())
     gen = torch.Generator().manual_seed(seed)
     quantized = {}  # {param FQN: (packed, scale)} of the stacked experts being written
     weight_map = {}
@@ -358,7 +364,7 @@ def write_checkpoint(
         file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
         tensors = {}
         for entry in group:
-            tensors[prefix + entry.name] = _export(params[entry.param], entry, gen, quantized)
+            tensors[prefix + entry.name] = _export(params, entry, gen, quantized)
             weight_map[prefix + entry.name] = file
         save_file(tensors, out_dir / file, metadata={"format": "pt"})
         del tensors
@@ -377,7 +383,9 @@ def init_checkpoint(flavor: str, out_dir, seed: int, experts: str = "auto",
     K3 flavors and bf16 for Kimi Linear. Returns the fp32 model written; with MXFP4 its experts
     hold their dequantized values, so loading the checkpoint in fp32 gives back exactly
     `param.to(bf16)`. device "cuda": the weights are drawn there in bf16 (k3-slice's 31 B
-    parameters do not fit a host's memory in fp32; other values than the CPU's draw).
+    parameters do not fit a host's memory in fp32; other values than the CPU's draw), MXFP4
+    experts drawn packed, one expert at a time (kimi-linear's bf16 experts, 94 GB, do not fit
+    an H100; packed they take 25 GB).
     """
     if experts not in ("auto", "mxfp4", "bf16"):
         raise ValueError(f"experts = {experts!r}; expected auto, mxfp4 or bf16")
@@ -386,8 +394,9 @@ def init_checkpoint(flavor: str, out_dir, seed: int, experts: str = "auto",
     config = dataclasses.replace(config, experts_mxfp4=mxfp4)
     if device == "cpu":
         return write_checkpoint(config, out_dir, seed=seed)
-    model = init_random_(K3Model(config.validate(), dtype=torch.bfloat16, device=device), seed)
-    return write_checkpoint(model, out_dir, seed=seed)
+    held = "mxfp4" if mxfp4 else "bf16"
+    model = K3Model(config.validate(), dtype=torch.bfloat16, device=device, expert_dtype=held)
+    return write_checkpoint(init_random_(model, seed), out_dir, seed=seed)
 
 
 def _split_shards(entries: list[Entry], max_shard_bytes: int) -> list[list[Entry]]:
@@ -404,15 +413,21 @@ def _split_shards(entries: list[Entry], max_shard_bytes: int) -> list[list[Entry
 
 @torch.no_grad()
 def _round_experts_to_mxfp4_(model: K3Model) -> None:
+    """Round the unpacked routed experts (packed ones are MXFP4 already)."""
     for fqn, p in model.named_parameters():
-        if ".experts.w" in fqn:
+        if fqn.endswith((".experts.w13", ".experts.w2")):
             round_to_mxfp4_(p)
 
 
 @torch.no_grad()
-def _export(param: torch.Tensor, entry: Entry, gen, quantized: dict) -> torch.Tensor:
-    """The checkpoint tensor for one entry: a fresh contiguous CPU tensor (safetensors refuses
-    tensors that share storage)."""
+def _export(params: dict, entry: Entry, gen, quantized: dict) -> torch.Tensor:
+    """The checkpoint tensor for one entry, from the model's named `params`: a fresh contiguous
+    CPU tensor (safetensors refuses tensors that share storage)."""
+    held = params.get(f"{entry.param}_{entry.role}")  # an expert half held packed
+    if held is not None:  # the packed bytes leave the W4A16 kernel's word layout
+        rows = expert_rows(held.detach(), entry, entry.expert)
+        return (from_word_layout(rows) if entry.role == "packed" else rows).cpu().clone()
+    param = params[entry.param]
     src = param.detach()
     if entry.expert is not None:
         src = expert_rows(src, entry, entry.expert)

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 import k3batch
 from k3batch.model import K3Model, get_flavor
 from k3batch.model import weights as weights_mod
+from k3batch.model.init import init_random_
 from k3kernels.moe.mxfp4 import (
     dequantize_mxfp4,
     fp4_to_float,
@@ -664,3 +665,26 @@ def test_weights_public_kimi_linear_layout_loads_unchanged(tmp_path, caplog):
         k: _PUBLIC_KIMI_LINEAR_CONFIG[k] for k in shared_keys
     }
     assert len(shared_keys) >= 30
+
+
+def test_weights_write_packed_experts_as_held(tmp_path):
+    """A model holding its experts packed (as `init_checkpoint` draws MXFP4 experts on a GPU:
+    kimi-linear's do not fit an H100 in bf16) writes their bytes as they are: the checkpoint
+    loads back packed to the same parameters, bit for bit, and the same logits (bf16). Into a
+    bf16 checkpoint it refuses."""
+    config = dataclasses.replace(get_flavor("kimi-linear-debug"), experts_mxfp4=True)
+    model = K3Model(config, dtype=torch.bfloat16, expert_dtype="mxfp4")
+    init_random_(model, seed=5).eval()
+    write_checkpoint(model, tmp_path, seed=0)
+    assert any(n.endswith("w2.weight_scale") for n in _index(tmp_path)["weight_map"])
+    got = k3batch.load_model(tmp_path, dtype=torch.bfloat16)
+    want = dict(model.named_parameters())
+    assert dict(got.named_parameters()).keys() == want.keys()
+    for name, p in got.named_parameters():
+        assert torch.equal(p, want[name]), name
+    ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert torch.equal(got(ids), model(ids))
+    with pytest.raises(ValueError, match="experts_mxfp4 = True"):
+        model.config = dataclasses.replace(config, experts_mxfp4=False)
+        write_checkpoint(model, tmp_path / "bf16", seed=0)
