@@ -2,13 +2,13 @@
 
 Writes a random-weight checkpoint of a flavor (MXFP4 experts for K3 flavors, bf16 for Kimi
 Linear, as the official checkpoints store them, unless `experts` says otherwise: kimi-linear's
-bf16 checkpoint is 98 GB, its MXFP4 one 29 GB) unless one is given, a Parquet file of N prompts of random token ids
-(the `random` dataset of vLLM's and SGLang's offline benchmarks: fixed input and output
-lengths, EOS ignored), runs `run_job` on it, then the same prompts through one engine in this
-process (`Engine.generate`, after the job has released its devices). Prints rows/s, input and
-output tokens/s of the job (over its wall time, and from start-up's end to the last row
-written: `stage_s["run"]`, which leaves out the shutdown) and its output tokens/s as a fraction
-of the engine's.
+bf16 checkpoint is 98 GB, its MXFP4 one 29 GB) unless one is given, a Parquet file of N prompts
+of random token ids (the `random` dataset of vLLM's and SGLang's offline benchmarks: fixed input
+and output lengths, EOS ignored), runs `run_job` on it, then the same prompts through one engine
+in this process (`Engine.generate`, after the job has released its devices). Prints rows/s,
+input and output tokens/s of the job (over its wall time, and from start-up's end to the last
+row written: `stage_s["run"]`, which leaves out the shutdown) and its output tokens/s as a
+fraction of the engine's.
 """
 
 import time
