@@ -138,6 +138,7 @@ def _run_options(fn):
 def run(job, **flags):
     """Run the batch job JOB (a .toml or .yaml spec); flags override its fields."""
     from k3batch.driver import run_job
+    from k3batch.driver.health import CrashLoopError
     from k3batch.jobspec import JobSpec, load_job_spec, with_overrides
 
     try:
@@ -146,6 +147,11 @@ def run(job, **flags):
         report = run_job(spec)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+    except CrashLoopError as e:  # exit 1 with the replica's cause; a rerun resumes
+        raise click.ClickException(
+            f"{e}\nreport: {spec.output.path}/_k3batch_report.json (committed rows are kept: "
+            "fix the cause and rerun to resume)"
+        ) from None
     click.echo(report.summary())
     click.echo(f"output: {spec.output.path}\nreport: {spec.output.path}/_k3batch_report.json")
     if report.unreadable_inputs or not report.is_complete:

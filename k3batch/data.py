@@ -73,14 +73,28 @@ def generate(
         resources = {"num_gpus": r.num_gpus or 1, "accelerator_type": r.accelerator_type}
     else:
         resources = {"num_cpus": 1}  # build_engine runs one torch thread on CPU
+    return _map(ds, spec, batch_size, resources, DataReplicaActor)
+
+
+def _map(ds, spec: JobSpec, batch_size: int, resources: dict, actor_cls) -> "ray.data.Dataset":
+    """`ds.map_batches` over a pool of `actor_cls` replicas. Failures end the pipeline with
+    their cause instead of looping: a constructor's error at once (Ray Data's budget of actor
+    deaths at start-up is 0 by default), an engine's error at the call, and a replica process
+    that dies is restarted and its batch retried at most `replicas.max_consecutive_failures`
+    times (Ray Data's defaults are unbounded: a replica that crashes the same way every time
+    would hold the pipeline forever)."""
+    r = spec.replicas
     pool = r.num_replicas if isinstance(r.num_replicas, int) else (r.min_replicas, r.max_replicas)
     return ds.map_batches(
-        DataReplicaActor,
+        actor_cls,
         fn_constructor_kwargs={"spec": spec},
         concurrency=pool,
         batch_size=batch_size,
         batch_format="pyarrow",
         udf_modifying_row_count=False,  # one output row per input row
+        # Ray 2.60 names no parameter for these and warns that the pass-through is deprecated
+        max_restarts=r.max_consecutive_failures,
+        max_task_retries=r.max_consecutive_failures,
         **resources,
     )
 

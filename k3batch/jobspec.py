@@ -15,7 +15,7 @@ accepted where a float is expected, a list where a tuple is.
     [sampling] temperature, top_p, top_k, seed, max_new_tokens, stop_token_ids, stop, ignore_eos
     [replicas] num_replicas (N or {min, max}), pp, pp_layers, tp, dcp, disaggregate, device,
                num_gpus, accelerator_type, gpus_per_node, max_inflight_rows, max_retries,
-               wait_timeout_s
+               max_consecutive_failures, wait_timeout_s
 
 A replica is one engine on one device (pp = tp = 1), or actors: pp prefill stages and, when
 tp > 1 or `disaggregate = true`, a decode group of tp ranks that each finished prompt is handed
@@ -91,7 +91,10 @@ class ReplicaSpec:
     gpus_per_node: int = 8  # of the GPU nodes: a replica needing more spans nodes (PACK)
     max_inflight_rows: int = 0  # rows dispatched to one replica and not yet returned; 0: twice
     # the engine's max_num_seqs, at least 64 (`JobSpec.inflight_rows`)
-    max_retries: int = 3  # per unit of rows lost to a replica failure
+    max_retries: int = 3  # per row lost to a replica's own failure (node loss is not counted)
+    # a replica that fails this many times in a row (at start-up, or with no row finished since
+    # its last failure) stops the job with its cause: a crash loop, not a retry
+    max_consecutive_failures: int = 3
     wait_timeout_s: float = 600.0  # for resources, replicas to come up, a replica to come back
 
     def __post_init__(self):
@@ -189,6 +192,9 @@ class JobSpec:
             )
         if r.max_retries < 0:
             raise ValueError(f"replicas.max_retries = {r.max_retries} must be >= 0")
+        if r.max_consecutive_failures < 1:
+            raise ValueError(f"replicas.max_consecutive_failures = {r.max_consecutive_failures} "
+                             "must be >= 1")  # fmt: skip
         if not r.wait_timeout_s > 0:
             raise ValueError(f"replicas.wait_timeout_s = {r.wait_timeout_s} must be > 0")
         cfg = K3Config.from_hf(self.model)

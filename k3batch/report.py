@@ -27,8 +27,11 @@ class JobReport:
     missing: list[dict] = field(default_factory=list)
     replica_failures: int = 0
     rows_retried: int = 0
-    rows_moved: int = 0  # retried after their replica's node went away (not counted as retries)
+    # rows retried uncharged: their replica's node went away, or the verdict on its failure was
+    # still open (`driver.health`: charged, and taken off here, if it turns out its own)
+    rows_moved: int = 0
     replica_moves: dict[str, int] = field(default_factory=dict)  # "preempted"/"drained"/"lost"
+    failures_unjudged: int = 0  # replica failures whose verdict was still open at the end
     replica_timeline: list[tuple[float, int]] = field(default_factory=list)  # (s, replicas up)
     rows_per_replica: list[int] = field(default_factory=list)
     peak_open_units: int = 0  # units held in driver memory at once (bounded by design)
@@ -49,6 +52,10 @@ class JobReport:
         }
     )
     wall_s: float = 0.0
+    # Why the job stopped before the end: {"kind": "crash_loop" (a replica failed
+    # replicas.max_consecutive_failures times in a row: "replica", "failures") or "failed",
+    # "type", "message", "traceback"}; None when it ran to the end.
+    error: dict | None = None
 
     @property
     def is_complete(self) -> bool:
@@ -91,6 +98,12 @@ class JobReport:
             lines.append(
                 f"replica failures: {self.replica_failures}, rows retried: {self.rows_retried}"
             )
+        if self.error is not None:
+            e = self.error
+            head = (f"replica {e['replica']} failed {e['failures']} times in a row (a crash loop)"
+                    if e["kind"] == "crash_loop" else "the job failed")  # fmt: skip
+            lines.append(f"STOPPED: {head}: {e['type']}: {e['message']}")
+            lines += [f"  {line}" for line in e["traceback"].splitlines()]
         if self.unreadable_inputs:
             lines.append("UNREADABLE input (rows not processed; fix and rerun to resume):")
             lines += [f"  {e}" for e in self.unreadable_inputs]

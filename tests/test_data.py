@@ -115,3 +115,59 @@ def test_replica_runs_batches_at_once_and_fails_every_call_after_an_engine_failu
         asyncio.run(actor(table))
     with pytest.raises(RuntimeError, match="engine failed"):
         asyncio.run(actor(table))  # the engine thread is gone: fail at once
+
+
+class _CrashingReplica:
+    """A Data replica whose process exits at every batch (a segfault would do the same)."""
+
+    def __init__(self, spec):
+        pass
+
+    def __call__(self, batch):
+        import os
+
+        os._exit(1)
+
+
+def _bounded(fn, seconds: float = 240):
+    """fn() in a thread: its exception, or a test failure if it does not end in `seconds`."""
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(fn)
+        try:
+            future.result(timeout=seconds)
+        except TimeoutError:
+            pytest.fail(f"the pipeline did not end within {seconds} s")
+        except Exception as e:
+            return e
+    pytest.fail("the pipeline did not fail")
+
+
+def test_pipeline_whose_replica_crashes_every_time_fails_not_hangs(cluster, mini_model_dir):
+    """Issue 50: Ray Data restarts a dead actor and retries its batch without a bound by
+    default; a replica that dies on every batch ends the pipeline after
+    `max_consecutive_failures` retries."""
+    import sys
+
+    from k3batch.data import _map, _spec
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the class goes by value
+    spec = _spec(mini_model_dir, GREEDY, ENGINE, 1, "cpu", None, None, False, False, None)
+    ds = ray.data.from_arrow(_table().slice(0, 2))
+    err = _bounded(lambda: _map(ds, spec, 2, {"num_cpus": 1}, _CrashingReplica).materialize())
+    assert "ActorDiedError" in repr(err) or "unavailable" in str(err).lower(), repr(err)[:2000]
+
+
+def test_pipeline_over_a_truncated_checkpoint_fails_with_the_shard_error(cluster, mini_model_dir,
+                                                                          tmp_path):  # fmt: skip
+    from pathlib import Path
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for f in Path(mini_model_dir).iterdir():
+        (ckpt / f.name).write_bytes(f.read_bytes())
+    shard = max(ckpt.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    ds = ray.data.from_arrow(_table().slice(0, 2))
+    err = _bounded(lambda: generate(ds, model=str(ckpt), sampling=GREEDY, engine=ENGINE,
+                                    device="cpu").materialize())  # fmt: skip
+    assert "incomplete metadata" in str(err), str(err)[-2000:]

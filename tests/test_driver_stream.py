@@ -49,6 +49,7 @@ def _replica() -> ReplicaActor:
     actor.engine, actor.tokenizer = _StubEngine(), _StubTokenizer()
     actor.load_s, actor._outbox = 0.0, collections.deque()
     actor._wake = actor._wake_loop = None
+    actor.failure, actor.node_id, actor.member_nodes = None, "n0", []
     actor.instance = "one"
     actor.server = EngineServer(actor.engine, actor._finished, actor._engine_failed)
     return actor

@@ -159,9 +159,9 @@ def test_node_removed_mid_job_completes_exactly_once(fixed_cluster, model_dir, t
     killer.join()
     assert removed, "the job ended before the node was removed"
     _exactly_once(tmp_path / "out", n)
-    # Ray's first word on a node that vanished is a broken connection ("unavailable"), or the
-    # node's death itself ("lost"), depending on timing
-    assert set(report.replica_moves) <= {"lost", "unavailable"} and report.rows_moved > 0, (
-        report.to_dict()
-    )
+    # The replica's process vanishes first; the node table marks its node dead ~15 s later, so
+    # the verdict ("lost") may still be open when the job ends: its rows went uncharged all the
+    # same (max_retries = 0), counted in rows_moved either way
+    assert set(report.replica_moves) <= {"lost"} and report.rows_moved > 0, report.to_dict()
+    assert report.replica_moves or report.failures_unjudged, report.to_dict()
     assert report.is_complete and report.rows_with_error == 0

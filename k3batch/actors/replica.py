@@ -8,21 +8,28 @@ others, and the driver refills the replica as rows come back (a bounded in-fligh
 replica keeps no state the driver needs: a restarted actor starts empty and the driver resubmits
 the rows it had in flight. The single-device replica wraps `Engine`; the disaggregated replica
 (pipeline prefill, a decode group) keeps the same interface. Rows with bad values come back with
-an error; if the engine itself fails the process exits, so that Ray restarts the actor and the
-driver retries its rows.
+an error.
+
+Failures (`actors.failure`): a replica that cannot be built raises from its constructor (Ray
+ends the actor with that error and its traceback; the driver builds a new one or, after
+`replicas.max_consecutive_failures` in a row, stops the job with the cause). If the engine
+fails, or a prefill stage or decode rank dies, the replica keeps its process and raises
+`ReplicaFailed` (the cause, the nodes of its members) from every call after that; the driver
+restarts the process (`ray.kill(no_restart=False)`), which rebuilds every stage and rank in the
+replica's placement group, and resubmits the rows. A hard crash (a signal, the OOM killer)
+prints its Python stack to the actor's log (`faulthandler`).
 
 Health (disaggregated replicas): the replica owns its prefill stage and decode rank actors, so
-they die with it. A member that dies takes the replica down: the engine's next wait on it raises
-at once, and a watchdog thread pings every member each `WATCH_INTERVAL_S` so that a death is
-noticed within seconds even while the replica is idle. Down means the process exits; Ray
-restarts the actor (up to max_restarts), and the constructor rebuilds every stage and rank in
-the replica's placement group, which Ray re-places on a live node when a node is gone. A
-rebuild that fails (resources that never come, a member dying while loading) also exits, after
-`placement.SPAWN_TIMEOUT_S` at most: nothing waits without a bound.
+they die with it. A member that dies fails the replica: the engine's next wait on it raises at
+once, and a watchdog thread pings every member each `WATCH_INTERVAL_S` so that a death is
+noticed within seconds even while the replica is idle. A rebuild that fails (resources that
+never come, a member dying while loading) raises after `placement.SPAWN_TIMEOUT_S` at most:
+nothing waits without a bound.
 """
 
 import asyncio
 import collections
+import faulthandler
 import logging
 import os
 import threading
@@ -31,6 +38,7 @@ import uuid
 
 import ray
 
+from k3batch.actors.failure import ReplicaFailed, describe
 from k3batch.actors.placement import CALL_TIMEOUT_S, get_within
 from k3batch.actors.serve import EngineServer
 from k3batch.engine.config import EngineConfig
@@ -56,8 +64,17 @@ class ReplicaActor:
         disaggregate: bool = False,
         placement_group=None,
     ):
+        faulthandler.enable()  # a hard crash prints the Python stack of every thread
         t0 = time.perf_counter()
-        self.engine, self.tokenizer = self._build_or_exit(
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.failure: ReplicaFailed | None = None  # set once, by whatever fails first
+        self._outbox: collections.deque = collections.deque()  # finished rows, engine -> caller
+        self._wake = self._wake_loop = None  # take_results' event, set by the engine thread
+        from k3batch.actors.build import build_engine
+
+        # An error here ends the actor with its traceback (Ray does not restart an actor whose
+        # constructor raised): the driver sees the cause and builds a new one, or stops the job.
+        self.engine, self.tokenizer = build_engine(
             model_dir,
             engine_config,
             device=device,
@@ -69,30 +86,34 @@ class ReplicaActor:
             placement_group=placement_group,
         )
         self.load_s = time.perf_counter() - t0
-        self._outbox: collections.deque = collections.deque()  # finished rows, engine -> caller
-        self._wake = self._wake_loop = None  # take_results' event, set by the engine thread
-        self.instance = uuid.uuid4().hex  # new at every (re)start of the actor
-        self.server = EngineServer(self.engine, self._finished, self._engine_failed)
-
-    # ---- construction and health (the members of a disaggregated replica) -------------------
-    def _build_or_exit(self, model_dir: str, engine_config: EngineConfig, **kw):
-        """build_engine, or exit the process (Ray restarts the actor: a rebuild). Ray would
-        not restart an actor whose constructor raised; a replica that cannot start its stages
-        now may well start them on the next attempt (a node was replaced)."""
-        from k3batch.actors.build import build_engine
-
-        try:
-            engine, tokenizer = build_engine(model_dir, engine_config, **kw)
-        except BaseException:
-            log.exception("building the replica failed; exiting so that Ray restarts it")
-            os._exit(1)
-        members = self._members(engine)
+        members = self._members(self.engine)
+        self.member_nodes = []  # where the stages and ranks run: a failure's nodes
         if members:
+            answers = get_within([m.ping.remote() for _, m in members], CALL_TIMEOUT_S,
+                                 [label for label, _ in members])  # fmt: skip
+            self.member_nodes = [a["node_id"] for a in answers]
             threading.Thread(
                 target=self._watch, args=(members,), daemon=True, name="watchdog"
             ).start()
-        return engine, tokenizer
+        self.instance = uuid.uuid4().hex  # new at every (re)start of the actor
+        self.server = EngineServer(self.engine, self._finished, self._engine_failed)
 
+    # ---- failure ----------------------------------------------------------------------------
+    def _fail(self, where: str, error: BaseException) -> None:
+        """Record the replica's first failure (any thread): every call raises it from now on."""
+        if self.failure is not None:
+            return
+        log.error("%s failed; the replica stops serving until the driver restarts it", where,
+                  exc_info=error)  # fmt: skip
+        self.failure = ReplicaFailed(describe(error) | {"where": where},
+                                     [self.node_id, *self.member_nodes])  # fmt: skip
+        self._wake_caller()
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    # ---- construction and health (the members of a disaggregated replica) -------------------
     @staticmethod
     def _members(engine) -> list[tuple[str, object]]:
         out = []
@@ -102,19 +123,19 @@ class ReplicaActor:
         return out
 
     def _watch(self, members: list[tuple[str, object]]) -> None:
-        """One ping in flight per member; a member that died (its ping raises) takes the
-        replica down. A ping that waits is a busy member: the engine's bounded waits catch one
-        that hangs."""
+        """One ping in flight per member; a member that died (its ping raises) fails the
+        replica. A ping that waits is a busy member: the engine's bounded waits catch one that
+        hangs."""
         pings = {m.ping.remote(): (label, m) for label, m in members}
-        while True:
+        while self.failure is None:
             ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=WATCH_INTERVAL_S)
             for ref in ready:
                 label, m = pings.pop(ref)
                 try:
                     ray.get(ref)
                 except BaseException as e:
-                    log.error("%s died (%s); exiting so that Ray rebuilds the replica", label, e)
-                    os._exit(1)
+                    self._fail(label, e)
+                    return
                 pings[m.ping.remote()] = (label, m)
             if ready:
                 time.sleep(WATCH_INTERVAL_S)
@@ -130,7 +151,9 @@ class ReplicaActor:
         ]
 
     def ready(self) -> dict:
-        return {"load_s": self.load_s, "pid": os.getpid()}
+        """Load time, pid and node id; raises `ReplicaFailed` once the replica failed."""
+        self._check()
+        return {"load_s": self.load_s, "pid": os.getpid(), "node_id": self.node_id}
 
     def stats(self) -> dict:
         out = {"load_s": self.load_s, "busy_s": self.server.busy_s, "rows": self.server.rows}
@@ -144,7 +167,9 @@ class ReplicaActor:
 
     def submit(self, items: list[tuple[object, list[int], SamplingParams]]) -> str:
         """items: (key, prompt token ids, sampling). Queues them for the engine thread and
-        returns this process's instance id; their results come back through `take_results`."""
+        returns this process's instance id; their results come back through `take_results`.
+        Raises `ReplicaFailed` once the replica failed."""
+        self._check()
         self.server.submit(items)
         return self.instance
 
@@ -153,7 +178,10 @@ class ReplicaActor:
         for at least one row: dicts with key, generated_text, output_token_ids, finish_reason,
         num_prompt_tokens, num_output_tokens, error, and output_logprobs / prompt_logprobs and
         prompt_greedy when asked for. A new instance id means the actor restarted: rows
-        submitted to an earlier instance are lost, and the caller resubmits them."""
+        submitted to an earlier instance are lost, and the caller resubmits them. Raises
+        `ReplicaFailed` once the replica failed (rows in it are lost: the caller resubmits them
+        elsewhere)."""
+        self._check()
         if self._wake_loop is not asyncio.get_running_loop():
             self._wake, self._wake_loop = asyncio.Event(), asyncio.get_running_loop()
         self._wake.clear()  # before looking: a row appended after the look sets it again
@@ -162,6 +190,7 @@ class ReplicaActor:
                 await asyncio.wait_for(self._wake.wait(), max_wait_s)
             except asyncio.TimeoutError:
                 pass
+        self._check()
         out = []
         while self._outbox:
             out.append(self._outbox.popleft())
@@ -172,12 +201,8 @@ class ReplicaActor:
         self._outbox.append({"key": key} | result_row(res, self.tokenizer))
         self._wake_caller()
 
-    @staticmethod
-    def _engine_failed(error: BaseException) -> None:
-        """The engine is broken: exit, so that Ray restarts the actor (the driver resubmits
-        the rows it had here)."""
-        log.error("engine loop failed; exiting the replica process", exc_info=error)
-        os._exit(1)
+    def _engine_failed(self, error: BaseException) -> None:
+        self._fail("engine", error)
 
     def _wake_caller(self) -> None:
         loop, wake = self._wake_loop, self._wake

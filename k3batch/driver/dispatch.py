@@ -9,10 +9,12 @@ Every answer names the replica process (an instance id, new at each restart): an
 another instance than the one holding the rows means the actor restarted and lost them. When a
 replica fails (a call raises, it restarted, or a `take_results` is not answered within
 `reply_timeout_s`), its in-flight rows go back to the front of the queue with attempt + 1,
-or are finished with an error after `max_retries` retries; calls of its earlier epochs are
-ignored. Rows lost with the replica's node (drained, preempted, lost: `health.node_loss`) go
-back too, but those attempts do not count against `max_retries`. A draining replica gets
-no new rows; its own still come back.
+or are finished with an error after `max_retries` retries charged to them; calls of its earlier
+epochs are ignored. Whether a failure is charged is `health`'s verdict: rows lost with the
+replica's node (drained, preempted, lost) go back uncharged; rows of a failure whose verdict
+waits for the node table go back uncharged too, and are charged if the verdict is the
+replica's own. A replica that finishes a row is making progress (`Health.progress`: its
+failures are no longer in a row). A draining replica gets no new rows; its own still come back.
 """
 
 import logging
@@ -21,7 +23,7 @@ from collections import deque
 
 import ray
 
-from k3batch.driver.health import Health, node_loss
+from k3batch.driver.health import Failure, Health
 from k3batch.driver.intake import GET_TIMEOUT_S
 from k3batch.prompts import RowWork
 from k3batch.result import error_row
@@ -42,7 +44,8 @@ class Dispatcher:
         self.instance: list[str | None] = [None] * len(replicas)  # process holding the rows
         self.calls: dict = {}  # ref -> (replica, epoch, kind "submit" | "take", sent at)
         self.done: list = []  # ((file, batch, row), output row) finished, for the caller to take
-        self.moved: dict = {}  # (file, batch, row) -> attempts lost with a node (not charged)
+        self.moved: dict = {}  # (file, batch, row) -> attempts not charged (node loss, pending)
+        health.on_verdict = self._verdict
 
     def add(self, key: tuple[int, int], works: list[RowWork]) -> None:
         self.queue.extend(((*key, w.row_idx, 0), w) for w in works)
@@ -108,29 +111,66 @@ class Dispatcher:
                 del self.inflight[r][(f, b, i)]
                 self.moved.pop((f, b, i), None)
                 self.done.append(((f, b, i), row))
+                if e == self.epoch[r]:
+                    self.health.progress(r)
 
     def _failed(self, r: int, err: Exception) -> None:
         """Replica r failed: its rows are retried, or failed for good after max_retries."""
-        self.health.failed(r, err)
         self.epoch[r] += 1
         self.instance[r] = None
         lost, self.inflight[r] = self.inflight[r], {}
         if lost:
             log.warning("replica %d failed (%s: %s); %d rows in flight",
                         r, type(err).__name__, err, len(lost))  # fmt: skip
-        moved = node_loss(err)
-        if moved:  # not the rows' fault: retried without counting against max_retries
-            self.report.replica_moves[moved] = self.report.replica_moves.get(moved, 0) + 1
-            self.report.rows_moved += len(lost)
+        # the rows first: a crash loop (raised by `failed`) leaves none of them unaccounted
         retry = []
         for (f, b, i), (attempt, w) in sorted(lost.items()):
-            if moved:
-                self.moved[(f, b, i)] = self.moved.get((f, b, i), 0) + 1
-            if attempt - self.moved.get((f, b, i), 0) < self.max_retries:
-                retry.append(((f, b, i, attempt + 1), w))
-            else:
-                self.moved.pop((f, b, i), None)
-                msg = f"replica failed {attempt + 1} times: {type(err).__name__}: {err}"
-                self.done.append(((f, b, i), error_row(msg)))
-        self.report.rows_retried += len(retry)
+            retry.append(((f, b, i, attempt + 1), w))
         self.queue.extendleft(reversed(retry))
+        self.report.rows_retried += len(retry)
+        failure = self.health.failed(r, err)
+        failure.keys = [(f, b, i) for (f, b, i, _), _ in retry]
+        if failure.verdict == "own":
+            self._charge(failure)
+        else:  # node loss, or not known yet: uncharged for now
+            for key in failure.keys:
+                self.moved[key] = self.moved.get(key, 0) + 1
+            self.report.rows_moved += len(failure.keys)
+            if failure.verdict == "node":
+                self._count_move(failure)
+
+    def _verdict(self, failure: Failure) -> None:
+        """A waiting verdict came: node loss keeps its rows uncharged; the replica's own
+        charges those still waiting to run."""
+        if failure.verdict == "node":
+            self._count_move(failure)
+            return
+        self.report.rows_moved -= len(failure.keys)
+        for key in failure.keys:
+            if key in self.moved:
+                self.moved[key] -= 1
+        self._charge(failure)
+
+    def _count_move(self, failure: Failure) -> None:
+        moves = self.report.replica_moves
+        moves[failure.lost] = moves.get(failure.lost, 0) + 1
+
+    def _charge(self, failure: Failure) -> None:
+        """Rows of an own failure that are out of retries are finished with its error."""
+        why = f"{failure.cause['type']}: {failure.cause['message']}".strip()
+        queued = {(f, b, i): n for n, ((f, b, i, _), _) in enumerate(self.queue)}
+        drop = []
+        for key in failure.keys:
+            n = queued.get(key)
+            if n is None:
+                continue  # running again elsewhere, or done: judged at its next failure
+            (_, _, _, attempt), _ = self.queue[n]
+            charged = attempt - self.moved.get(key, 0)
+            if charged > self.max_retries:
+                drop.append(n)
+                self.moved.pop(key, None)
+                msg = f"replica failed {charged} times while running this row; last: {why}"
+                self.done.append((key, error_row(msg)))
+        for n in sorted(drop, reverse=True):
+            del self.queue[n]
+        self.report.rows_retried -= len(drop)

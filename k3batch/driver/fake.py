@@ -1,5 +1,6 @@
-"""FakeReplica: the replica interface (`ready`, `stats`, `submit`, `take_results`) with no model,
-for driver tests and the driver benchmark.
+"""Replicas for driver tests and the driver benchmark: `FakeReplica`, the replica interface
+(`ready`, `stats`, `submit`, `take_results`) with no model, and `FaultyReplica`, the real replica
+with one planted fault.
 
 A row "generates" its first `max_new_tokens` prompt tokens, reversed, and finishes
 `token_s * max_new_tokens` seconds after it was submitted (rows run concurrently, as under
@@ -8,9 +9,14 @@ makes a slow row. `stats_delay_s` makes `stats` answer late (a hung replica).
 """
 
 import asyncio
+import itertools
 import os
 import time
 import uuid
+
+import ray
+
+from k3batch.actors.replica import ReplicaActor
 
 
 class FakeReplica:
@@ -22,7 +28,8 @@ class FakeReplica:
         self.instance = uuid.uuid4().hex
 
     def ready(self) -> dict:
-        return {"load_s": 0.0, "pid": os.getpid()}
+        return {"load_s": 0.0, "pid": os.getpid(),
+                "node_id": ray.get_runtime_context().get_node_id()}  # fmt: skip
 
     async def stats(self) -> dict:
         await asyncio.sleep(self.stats_delay_s)  # > the driver's timeout: a replica that hangs
@@ -54,3 +61,29 @@ class FakeReplica:
                 self.rows += len(done)
                 return self.instance, done
             await asyncio.sleep(min(0.005, max(deadline - now, 0)))
+
+
+class FaultyReplica(ReplicaActor):
+    """The real replica with one planted fault. fault: "build" (the constructor raises),
+    "forward" (every engine step raises, as a CUDA error would), "exit" (the process exits at
+    its `at_step`-th engine step, every time it starts), "exit_once" (the same, only in the first
+    process: the file `marker` records that it happened)."""
+
+    def __init__(self, *args, fault: str, at_step: int = 1, marker: str | None = None, **kw):
+        if fault == "build":
+            raise RuntimeError("planted: this replica cannot be built")
+        super().__init__(*args, **kw)
+        step, steps = self.engine.step, itertools.count(1)
+
+        def faulty_step():
+            n = next(steps)
+            if fault == "forward":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (planted)")
+            if fault in ("exit", "exit_once") and n == at_step:
+                if fault == "exit" or not os.path.exists(marker):
+                    if marker:
+                        open(marker, "w").close()
+                    os._exit(1)
+            return step()
+
+        self.engine.step = faulty_step

@@ -10,13 +10,16 @@ says per file what has no output and why (`report.is_complete` is False then).
 """
 
 import logging
+import os
 import time
 
 import ray
 
+from k3batch.actors.failure import describe
 from k3batch.actors.replica import ReplicaActor
 from k3batch.driver.commit import Committer, missing_rows
 from k3batch.driver.dispatch import Dispatcher
+from k3batch.driver.health import CrashLoopError
 from k3batch.driver.ids import IdIndex
 from k3batch.driver.inputs import survey_inputs
 from k3batch.driver.intake import Intake
@@ -45,13 +48,19 @@ def run_job(spec: JobSpec, *, progress_stream=None, replica_cls=ReplicaActor,
         report, files, counts, batch_rows, ctx = _prepare(spec, sink)
         try:
             _run(spec, sink, lease, report, ctx, progress_stream, replica_cls, replica_kw, t_start)
+        except CrashLoopError as e:  # the report says why the job stopped, then the caller
+            report.error = {"kind": "crash_loop", **e.to_dict()}
+            raise
+        except Exception as e:
+            report.error = {"kind": "failed", **describe(e)}
+            raise
         finally:
             if ctx["ids"] is not None:
                 ctx["ids"].close()
-        reasons = ctx["reasons"]
-        report.missing = missing_rows(files, counts, sink.committed(), batch_rows, reasons)
-        report.wall_s = time.monotonic() - t_start
-        sink.write_json(REPORT_NAME, report.to_dict())
+            reasons = ctx["reasons"]
+            report.missing = missing_rows(files, counts, sink.committed(), batch_rows, reasons)
+            report.wall_s = time.monotonic() - t_start
+            sink.write_json(REPORT_NAME, report.to_dict())
     if report.missing:
         log.error("input rows with no output: %s", report.missing)
     return report
@@ -96,17 +105,25 @@ def _prepare(spec: JobSpec, sink: ShardSink):
     return report, files, counts, batch_rows, ctx
 
 
+def _init_ray(spec: JobSpec) -> None:
+    """Join the cluster at `spec.address` (or RAY_ADDRESS, as inside a Ray job); with neither,
+    start a Ray of the job's own (address "local"), even where a cluster already runs on this
+    machine: joining one by accident would also refuse the local resource counts."""
+    address = spec.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, include_dashboard=False)
+        return
+    r = spec.replicas
+    local_cpus = r.max_replicas * (r.num_workers + 1) + 2  # logical CPUs
+    ray.init(address="local", num_cpus=local_cpus, include_dashboard=False)
+
+
 def _run(spec, sink, lease, report, ctx, progress_stream, replica_cls, replica_kw, t_start):
     config = K3Config.from_hf(spec.model)
     r = spec.replicas
     started_ray = not ray.is_initialized()
     if started_ray:
-        local_cpus = r.max_replicas * (r.num_workers + 1) + 2  # logical CPUs
-        ray.init(
-            address=spec.address,
-            num_cpus=None if spec.address else local_cpus,
-            include_dashboard=False,
-        )
+        _init_ray(spec)
     pool = None
     try:
         pool = ReplicaPool(spec, r.resolved_device, replica_cls=replica_cls, replica_kw=replica_kw,
@@ -131,6 +148,8 @@ def _run(spec, sink, lease, report, ctx, progress_stream, replica_cls, replica_k
             for i, errors in intake.errors.items():
                 ctx["reasons"].setdefault(i, []).extend(errors)
             report.replica_timeline = pool.timeline
+        pool.health.revisit(final=True)  # a node found dead by now is node loss
+        report.failures_unjudged = len(pool.health.waiting)
         stats = pool.collect_stats()
         report.stage_s["generate"] = max((s["busy_s"] for s in stats), default=0.0)
         report.rows_per_replica = [s["rows"] for s in stats]

@@ -15,10 +15,13 @@ unless reset, and it cannot say that bundles belong together; pending groups say
 is needed and disappear with the job.
 
 Slot life: "pending" (group requested; once placed the actor is created and its `ready()` is
-awaited) -> "up" / "down" / "dead" (`Health`) -> "draining" (gets no new rows, finishes its own)
--> "released" (actor killed, group removed: its node goes idle and the autoscaler can remove it).
-A replica whose node was drained, preempted or lost ("moved") goes back to "pending" with a new
-group; its rows are retried elsewhere without counting against `max_retries` (`dispatch`).
+awaited) -> "up" / "down" / "rebuild" / "dead" (`Health`) -> "draining" (gets no new rows,
+finishes its own) -> "released" (actor killed, group removed: its node goes idle and the
+autoscaler can remove it). Ray restarts a replica whose process died or that the driver
+restarted (`max_restarts=-1`: `Health` bounds failures in a row instead); one whose constructor
+raised ("rebuild") gets a new actor in the same group. A replica whose node was drained,
+preempted or lost ("moved") goes back to "pending" with a new group; its rows are retried
+elsewhere without counting against `max_retries` (`dispatch`).
 The job starts as soon as `min` replicas are up (`start`, bounded by
 `replicas.wait_timeout_s` with a message every `NOTICE_EVERY_S`). `step()` turns placed groups
 into replicas and, once the input is exhausted, drains replicas beyond what the rows left need
@@ -29,7 +32,11 @@ import logging
 import time
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import (
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from k3batch.driver.health import Health
@@ -69,7 +76,9 @@ class ReplicaPool:
         self.bundles, self.strategy = replica_bundles(r, device)
         self.groups: list = [None] * r.max_replicas
         self.actors: list = [None] * r.max_replicas  # shared with Health and the Dispatcher
-        self.health = Health(self.actors, down_timeout_s=r.wait_timeout_s)
+        self.builds = [0] * r.max_replicas  # actors created per slot (their names)
+        self.health = Health(self.actors, down_timeout_s=r.wait_timeout_s,
+                             max_failures=r.max_consecutive_failures)  # fmt: skip
         self.placing: dict = {}  # pg.ready() ref -> slot
         self.starting: dict = {}  # actor ready() ref -> (slot, sent at)
         self.t0 = time.monotonic() if t0 is None else t0
@@ -103,13 +112,12 @@ class ReplicaPool:
                 log.error("replica %d not ready after %g s (replicas.wait_timeout_s): model "
                           "loading or stage startup did not finish", i, self.r.wait_timeout_s)
                 self._release(i)  # fmt: skip
-        for i, s in enumerate(self.health.state):
-            if s == "moved":
-                self._move(i)
+        self._tend()
         if exhausted:
             self._shrink(dispatch)
         self.health.send_probes()
-        serving = [i for i, s in enumerate(self.health.state) if s in ("up", "down", "draining")]
+        serving = [i for i, s in enumerate(self.health.state)
+                   if s in ("up", "down", "draining", "rebuild")]  # fmt: skip
         if serving or not (self.placing or self.starting):
             self.idle_since = None
         elif self.idle_since is None:
@@ -149,13 +157,25 @@ class ReplicaPool:
             if time.monotonic() - noticed >= NOTICE_EVERY_S:
                 noticed = time.monotonic()
                 log.warning("%s", self._startup_notice(need, waited, timeout_s))
-            refs = [*self.placing, *self.starting]
-            if not refs:
+            self._tend()
+            self.health.send_probes()
+            refs = self.refs()
+            if not refs and not self.health.waiting and "rebuild" not in self.health.state:
                 raise RuntimeError(f"replicas failed to start; states: {self.health.state}")
             step = min(NOTICE_EVERY_S, max(timeout_s - waited, 0.0), 1.0)
-            ready, _ = ray.wait(refs, num_returns=1, timeout=step)
+            ready, _ = ray.wait(refs, num_returns=1, timeout=step) if refs else ([], [])
             for ref in ready:
                 self.on_ready(ref)
+
+    def _tend(self) -> None:
+        """Decide waiting verdicts; move replicas whose node is gone; rebuild those whose
+        actor is gone."""
+        self.health.revisit()
+        for i, s in enumerate(self.health.state):
+            if s == "moved":
+                self._move(i)
+            elif s == "rebuild":
+                self._create(i)
 
     def _startup_notice(self, need: int, waited: float, timeout_s: float) -> str:
         """What start-up waits for: replicas placed and starting (loading the model, sizing
@@ -172,15 +192,24 @@ class ReplicaPool:
         return notice
 
     def _create(self, i: int) -> None:
-        r, single = self.r, self.r.is_single_device
+        single = self.r.is_single_device
         gpus = self.bundles[0].get("GPU", 0) if single else 0
-        self.actors[i] = self.replica_cls.options(
+        self.actors[i] = self._new_actor(i, gpus, single)
+        self.builds[i] += 1
+        self.health.state[i] = "pending"
+        self.health.node[i] = _bundle_node(self.groups[i])
+        self.starting[self.actors[i].ready.remote()] = (i, time.monotonic())
+
+    def _new_actor(self, i: int, gpus: float, single: bool):
+        r = self.r
+        return self.replica_cls.options(
             num_cpus=1,
             num_gpus=gpus,
-            max_restarts=r.max_retries,
+            max_restarts=-1,  # bounded by Health: max_consecutive_failures in a row
             max_task_retries=0,
             max_concurrency=64,
-            name=f"{self.spec.name}/replica-{i}",
+            # a new name for each new actor of the slot: a dead actor keeps its name a while
+            name=f"{self.spec.name}/replica-{i}" + (f".{self.builds[i]}" if self.builds[i] else ""),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.groups[i], placement_group_bundle_index=0
             ),
@@ -196,19 +225,16 @@ class ReplicaPool:
             placement_group=None if single else self.groups[i],
             **self.replica_kw,
         )
-        self.starting[self.actors[i].ready.remote()] = (i, time.monotonic())
 
     def _started(self, ref) -> None:
         i, _ = self.starting.pop(ref)
         try:
-            ray.get(ref, timeout=STATS_TIMEOUT_S)
+            answer = ray.get(ref, timeout=STATS_TIMEOUT_S)
         except (ray.exceptions.RayError, TimeoutError) as e:
-            log.error("replica %d failed to start: %s", i, e)
-            self._release(i)
-            if not self.placing and not self.starting and not self.health.up():
-                raise RuntimeError(f"no replica could start; last error: {e}") from e
+            log.error("replica %d failed to start", i)
+            self.health.failed(i, e)  # rebuilt, restarted or moved; a crash loop stops the job
             return
-        self.health.start(i)
+        self.health.start(i, answer.get("node_id"))
         log.info("replica %d up (%d up)", i, len(self.health.up()))
 
     # ---- the tail ------------------------------------------------------------------------
@@ -287,6 +313,14 @@ class ReplicaPool:
             except (ray.exceptions.RayError, TimeoutError) as e:
                 log.warning("replica %d: no statistics: %s", refs[ref], e)
         return out
+
+
+def _bundle_node(group) -> str | None:
+    """The node of a placed group's first bundle (the replica actor's), or None."""
+    try:
+        return placement_group_table(group)["bundles_to_node_id"].get(0)
+    except Exception:  # not placed any more (its node just went away): the answer tells
+        return None
 
 
 def _free() -> dict:

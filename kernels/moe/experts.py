@@ -99,11 +99,13 @@ def pick_gemm(w13, w2, num_rows: int, x_TD, gemm_impl: str):
         if gemm_impl == "auto" and all(G.supported(x_TD, w, num_rows) for w in (w13, w2)):
             return partial(G.grouped_mm_mxfp4_decode, interleaved=True, parts=None), True
         return grouped_mm_mxfp4, False
+    if gemm_impl == "auto" and not x_TD.is_cuda:  # the CPU path imports no Triton module
+        gemm_impl = "torch"
     if gemm_impl == "auto":
         from k3kernels.moe.grouped_gemm_triton import regime, tma_ready
 
         decode = regime(num_rows, w13.shape[0]) == "decode"
-        hopper = x_TD.is_cuda and torch.cuda.get_device_capability(w13.device) >= (9, 0)
+        hopper = torch.cuda.get_device_capability(w13.device) >= (9, 0)
         # TMA reads the weights and the rows of x (D or I wide, contiguous)
         tma = all(tma_ready(w) and w.shape[-1] * w.element_size() % 16 == 0 for w in (w13, w2))
         fast = hopper and tma and (decode or w13.dtype == torch.bfloat16)

@@ -17,6 +17,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from k3batch.actors import prefill
 from k3batch.actors.decode import DecodeRankActor
+from k3batch.actors.failure import ReplicaFailed
 from k3batch.actors.placement import Members, get_within, spawn_world
 from k3batch.actors.prefill import PrefillStageActor
 from k3batch.actors.replica import ReplicaActor
@@ -123,12 +124,24 @@ def _members(replica) -> dict[tuple[str, int], int]:
 BUILD_TIMEOUT_S = 600
 
 
+def _wait_failed(replica, timeout_s: float = 60) -> ReplicaFailed:
+    """The replica noticed that a member died: its calls raise ReplicaFailed, naming it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(replica.ready.remote(), timeout=10)
+        except ReplicaFailed as e:
+            return e
+        time.sleep(0.5)
+    raise AssertionError(f"the replica did not notice within {timeout_s} s")
+
+
 def _wait_rebuilt(replica, old_pid: int, timeout_s: float = BUILD_TIMEOUT_S) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             info = ray.get(replica.ready.remote(), timeout=10)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ReplicaFailed):
             time.sleep(0.5)
             continue
         if info["pid"] != old_pid:
@@ -140,10 +153,11 @@ def _wait_rebuilt(replica, old_pid: int, timeout_s: float = BUILD_TIMEOUT_S) -> 
 def test_dead_stage_or_rank_rebuilds_its_idle_replica(cluster, mini_model_dir):
     """A disaggregated replica (a prefill stage and a decode rank, the fewest processes with
     both kinds of member) with no work: SIGKILL the decode rank, then the prefill stage; each
-    time the replica process goes down and comes back (Ray's restart) with all-new members.
+    time the replica notices (its calls raise ReplicaFailed naming the member) and, restarted
+    as the driver restarts it (`ray.kill(no_restart=False)`), comes back with all-new members.
     Old code: no watchdog (and no `members`): an idle replica never noticed a dead member.
-    Checked: with the watchdog's thread start in ReplicaActor._build_or_exit disabled, this
-    fails with "replica not rebuilt"."""
+    Checked: with the watchdog's thread start in ReplicaActor.__init__ disabled, this
+    fails with "the replica did not notice"."""
     actor = ray.remote(ReplicaActor).options(num_cpus=0, max_restarts=2, max_task_retries=0)
     replica = actor.remote(mini_model_dir, CFG, "cpu", disaggregate=True)
     try:
@@ -152,6 +166,10 @@ def test_dead_stage_or_rank_rebuilds_its_idle_replica(cluster, mini_model_dir):
             before = _members(replica)
             assert set(before) == {("prefill", 0), ("decode", 0), ("replica", 0)}
             os.kill(before[victim], signal.SIGKILL)
+            failed = _wait_failed(replica)
+            label = {"decode": "decode rank 0", "prefill": "prefill stage 0"}[victim[0]]
+            assert failed.details["where"] == label, failed.details
+            ray.kill(replica, no_restart=False)
             pid = _wait_rebuilt(replica, pid)["pid"]
             after = _members(replica)
             assert not set(before.values()) & set(after.values()), (before, after)
