@@ -140,6 +140,7 @@ class JobSpec:
     model: str = ""
     name: str = "k3batch-job"
     address: str | None = None  # Ray cluster; None: a local Ray started for the job
+    metrics: bool = True  # export k3batch_* metrics through Ray's metrics agent (Prometheus)
     input: InputSpec = field(default_factory=InputSpec)
     output: OutputSpec = field(default_factory=OutputSpec)
     sampling: SamplingParams = field(default_factory=SamplingParams)
