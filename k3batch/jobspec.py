@@ -10,8 +10,9 @@ dataclasses stay the one definition): `batch_rows = "4"`, `num_replicas = 1.5` o
 accepted where a float is expected, a list where a tuple is.
 
     model = "out/demo/model"            # checkpoint dir in the official HF layout
-    [input]   path, batch_rows, id_column, prompt_column, messages_column, token_ids_column
-    [output]  path, logprobs, prompt_logprobs
+    [input]   path, format, batch_rows, id_column, prompt_column, messages_column,
+              token_ids_column, served_model, strict_model
+    [output]  path, format, merge, logprobs, prompt_logprobs
     [sampling] temperature, top_p, top_k, seed, max_new_tokens, stop_token_ids, stop, ignore_eos
     [replicas] num_replicas (N or {min, max}), pp, pp_layers, tp, dcp, disaggregate, device,
                num_gpus, accelerator_type, gpus_per_node, max_inflight_rows, max_retries,
@@ -51,19 +52,30 @@ ROW_SAMPLING_COLUMNS = (
 )
 
 
+INPUT_FORMATS = ("auto", "parquet", "jsonl", "csv", "arrow", "hf", "openai")  # io.source.FORMATS
+OUTPUT_FORMATS = ("parquet", "jsonl", "openai")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class InputSpec:
     path: str = ""  # file, directory, glob or URI (pyarrow.fs)
+    # auto: by extension (.parquet, .jsonl[.gz], .json, .csv[.gz], .arrow/.feather/.ipc, a
+    # save_to_disk folder); "openai": OpenAI Batch API request lines; "hf": a save_to_disk folder
+    format: str = "auto"
     batch_rows: int = 256  # rows per unit of work and per output shard
     id_column: str = "id"  # optional; else ids are "<file>:<row>"
     prompt_column: str = "prompt"  # text
     messages_column: str = "messages"  # chat: list of {role, content}
     token_ids_column: str = "prompt_token_ids"  # pre-tokenized
+    served_model: str = ""  # openai: the model name requests must give; "": the model dir's name
+    strict_model: bool = False  # openai: another model name is the row's error, not a warning
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OutputSpec:
     path: str = ""  # directory or URI
+    format: str = "parquet"  # parquet, jsonl or openai (OpenAI Batch API output lines)
+    merge: bool = False  # once every row has its output: also one file of all shards, in order
     logprobs: bool = False
     prompt_logprobs: bool = False
 
@@ -171,6 +183,18 @@ class JobSpec:
             raise ValueError("input.path: no input given")
         if not self.output.path:
             raise ValueError("output.path: no output given")
+        if self.input.format not in INPUT_FORMATS:
+            raise ValueError(f"input.format = {self.input.format!r} must be one of "
+                             f"{', '.join(INPUT_FORMATS)}")  # fmt: skip
+        if self.output.format not in OUTPUT_FORMATS:
+            raise ValueError(f"output.format = {self.output.format!r} must be one of "
+                             f"{', '.join(OUTPUT_FORMATS)}")  # fmt: skip
+        if self.input.format == "openai":
+            for name in ("id_column", "prompt_column", "messages_column", "token_ids_column"):
+                default = getattr(InputSpec(), name)
+                if getattr(self.input, name) != default:
+                    raise ValueError(f"input.{name} = {getattr(self.input, name)!r}: OpenAI "
+                                     f"input has fixed columns (leave it {default!r})")  # fmt: skip
         if self.input.batch_rows < 1:
             raise ValueError(f"input.batch_rows = {self.input.batch_rows} must be >= 1")
         _prefixed("sampling", self.sampling.validate)
@@ -230,6 +254,12 @@ class JobSpec:
             "sampling": dataclasses.asdict(self.sampling),
             "max_seq_len": self.engine.max_seq_len,
         }
+        # Fields added with formats count only when set, so older jobs keep their fingerprint.
+        for key, default in (("format", "auto"), ("served_model", ""), ("strict_model", False)):
+            if desc["input"][key] == default:
+                del desc["input"][key]
+        if self.output.format != "parquet":
+            desc["output"]["format"] = self.output.format
         blob = json.dumps(desc, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16], desc
 

@@ -1,9 +1,12 @@
 """Turning input rows into engine work: one `RowWork` (token ids + sampling) or an error per row.
 
-Runs on CPU workers (a Ray task per unit of rows). The prompt source is chosen per job from the
-schema: `prompt_token_ids`, else `messages` (through the checkpoint's chat template), else
-`prompt` (text, encoded with a BOS). Per-row sampling columns override the job's defaults.
-A bad row never raises: it gets an error string naming what is wrong.
+Runs on CPU workers (a Ray task per unit of rows). A row's prompt comes from the first of its
+prompt columns that is not null: `prompt_token_ids`, else `messages` (through the checkpoint's
+chat template), else `prompt` (text, encoded with a BOS). Per-row sampling columns override the
+job's defaults. A bad row never raises: it gets an error string naming what is wrong. OpenAI
+input (`input.format = "openai"`) also carries a per-row `logprobs` flag and the request's
+`model`, which must be the job's (`InputSpec.served_model`; else a warning, or the row's error
+with `strict_model`).
 
 Per-row sampling values are coerced where the meaning is certain and rejected otherwise: null
 keeps the job's value; an integral float becomes an int (3.0 -> 3: what pandas writes for an
@@ -14,7 +17,9 @@ and structs make the row's error.
 import dataclasses
 import decimal
 import functools
+import logging
 import math
+from pathlib import Path
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -22,6 +27,8 @@ import pyarrow as pa
 from k3batch.engine.request import SamplingParams, is_int
 from k3batch.jobspec import ROW_SAMPLING_COLUMNS, InputSpec
 from k3batch.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,15 +65,23 @@ def prepare_rows(
     vocab_size: int,
 ) -> list[RowWork]:
     tok = _tokenizer(model_dir)
-    source = prompt_source(table.schema, spec)
-    prompts = table.column(source).to_pylist()
-    overrides = {
-        c: table.column(c).to_pylist() for c in ROW_SAMPLING_COLUMNS if c in table.schema.names
-    }
+    first = prompt_source(table.schema, spec)
+    sources = [
+        c
+        for c in (spec.token_ids_column, spec.messages_column, spec.prompt_column)
+        if c in table.schema.names
+    ]
+    prompts = {c: table.column(c).to_pylist() for c in sources}
+    names = list(ROW_SAMPLING_COLUMNS) + (["logprobs"] if spec.format == "openai" else [])
+    overrides = {c: table.column(c).to_pylist() for c in names if c in table.schema.names}
+    wrong_model = _model_check(table, spec, model_dir)
     out = []
-    for i, value in enumerate(prompts):
+    for i in range(table.num_rows):
         try:
-            ids = _encode(value, source, spec, tok)
+            source = next((c for c in sources if prompts[c][i] is not None), first)
+            if wrong_model[i]:
+                raise ValueError(wrong_model[i])
+            ids = _encode(prompts[source][i], source, spec, tok)
             if not ids:
                 raise ValueError("empty prompt")
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)
@@ -88,14 +103,38 @@ def prepare_rows(
 _INT_FIELDS = ("top_k", "seed", "max_new_tokens", "prompt_logprobs_start")
 
 
+def _model_check(table: pa.Table, spec: InputSpec, model_dir: str) -> list[str | None]:
+    """Per row: the error for a request naming another model (OpenAI input, strict_model), else
+    None; without strict_model a mismatch is logged once per unit."""
+    if spec.format != "openai" or "model" not in table.schema.names:
+        return [None] * table.num_rows
+    served = spec.served_model or Path(model_dir).name
+    asked = table.column("model").to_pylist()
+    wrong = [m is not None and m != served for m in asked]
+    if not any(wrong):
+        return [None] * table.num_rows
+    if not spec.strict_model:
+        other = next(m for m, w in zip(asked, wrong) if w)
+        log.warning("%d requests name model %r, this job serves %r", sum(wrong), other, served)
+        return [None] * table.num_rows
+    return [f"model = {m!r} is not this job's model {served!r}" if w else None
+            for m, w in zip(asked, wrong)]  # fmt: skip
+
+
 def row_sampling(defaults: SamplingParams, values: dict[str, object]) -> SamplingParams:
     """The job's sampling with one row's non-null overrides, coerced and validated (ValueError
     naming the column and the value)."""
     row = {name: _coerce(name, v) for name, v in values.items() if v is not None}
+    if not row.get("logprobs", True):  # openai: a row that does not ask keeps the job's setting
+        del row["logprobs"]
     return dataclasses.replace(defaults, **row).validate() if row else defaults
 
 
 def _coerce(name: str, value):
+    if name == "logprobs":
+        if not isinstance(value, bool):
+            raise ValueError(f"logprobs = {value!r} must be true or false")
+        return value
     if name == "stop":
         if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
             raise ValueError(f"stop = {value!r} must be a list of non-empty strings")

@@ -20,12 +20,13 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from k3batch.io import InputFile
+from k3batch.io import InputFile, iter_units
 
 log = logging.getLogger(__name__)
 
 _ROW_BITS = 40  # rows per file < 2**40
 _LOOKUP_CHUNK = 900  # ids per SELECT (below SQLite's bound on bound parameters)
+_OTHER_BATCH_ROWS = 8192  # rows read at a time from a file that is not Parquet
 
 
 def position(file_index: int, row: int) -> int:
@@ -92,6 +93,12 @@ class IdIndex:
         return index
 
     def _add_file(self, fs: pafs.FileSystem, f: InputFile, id_column: str) -> None:
+        if f.format != "parquet":  # no row groups to read one column of: the rows, streamed
+            for unit in iter_units(fs, [f], _OTHER_BATCH_ROWS):
+                if unit.table is not None and id_column in unit.table.schema.names:
+                    col = unit.table.column(id_column)
+                    self.add(id_strings(col), range(position(f.index, unit.row_offset), 1 << 62))
+            return
         with fs.open_input_file(f.path) as handle:
             pf = pq.ParquetFile(handle)
             start = 0

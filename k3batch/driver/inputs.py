@@ -1,4 +1,5 @@
-"""The input survey: every file's footer read once at the start of a run, each file checked
+"""The input survey: every file's footer (Parquet; other formats: a streamed pass) read once at
+the start of a run, each file checked
 against the job's input contract (schema drift), and the row counts the end-of-run check uses.
 
 The contract is what the first valid file looks like (at the job's first start; the manifest
@@ -13,9 +14,9 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
 from k3batch.io import InputFile
+from k3batch.io.source import scan_file
 from k3batch.jobspec import InputSpec
 from k3batch.prompts import prompt_source
 from k3batch.result import RESULT_TYPES
@@ -41,14 +42,14 @@ def survey_inputs(
     bad: dict[int, str] = {}
     for f in files:
         try:
-            with fs.open_input_file(f.path) as handle:
-                meta = pq.ParquetFile(handle).metadata
-                schemas.append(meta.schema.to_arrow_schema())
-                num_rows.append(meta.num_rows)
+            schema, n = scan_file(fs, f)
+            schemas.append(schema)
+            num_rows.append(n)
         except Exception as e:  # corrupt footer, vanished file, permission, ...
             schemas.append(None)
             num_rows.append(None)
-            bad[f.index] = f"{f.uri}: cannot read Parquet footer: {type(e).__name__}: {e}"
+            what = "cannot read Parquet footer" if f.format == "parquet" else "cannot read"
+            bad[f.index] = f"{f.uri}: {what}: {type(e).__name__}: {e}"
     first_error = None
     for f, schema in zip(files, schemas):
         if schema is None:
@@ -63,7 +64,7 @@ def survey_inputs(
         if found != contract:
             bad[f.index] = f"{f.uri}: schema differs from the job's: {_diff(contract, found)}"
     if contract is None:
-        raise ValueError(first_error or f"input {spec.path!r}: no readable Parquet file")
+        raise ValueError(first_error or f"input {spec.path!r}: no readable file")
     return InputSurvey(contract=contract, num_rows=num_rows, bad=bad)
 
 

@@ -1,8 +1,8 @@
 """Intake: input units -> open units in driver memory -> rows of work, tokenized in Ray tasks.
 
 `Intake.open_next()` reads the next unit (skipping committed ones), gives its rows their ids
-(the id column, or "<file uri>:<row>" when the input has none), fails rows with a null or a
-duplicate id at once (duplicates decided by `IdIndex`: the first occurrence in input order runs)
+(the id column, or "<file uri>:<row>" when the input has none), fails rows that could not be
+parsed (a malformed line, with its number) and rows with a null or a duplicate id at once (duplicates decided by `IdIndex`: the first occurrence in input order runs)
 and starts a tokenize task for the unit. `on_tokenized` turns the task's answer into the rows to
 dispatch; a row the tokenizer rejects, or every row of a unit whose task failed, gets an error.
 Driver memory holds only open units: the caller bounds how many are open.
@@ -82,9 +82,13 @@ class Intake:
         else:
             ids = id_strings(table.column(col))
         state = OpenUnit((unit.file.index, unit.batch_idx), table, ids, [None] * n, n)
+        for i, why in (unit.row_errors or {}).items():
+            state.finish(i, error_row(f"{unit.file.uri}: {why}"))
         if not self.add_id:
             first = self.ids.first_positions([i for i in ids if i is not None])
             for i, rid in enumerate(ids):
+                if state.results[i] is not None:
+                    continue  # unreadable row: its error says why
                 if rid is None:
                     state.finish(i, error_row(f"{col} is null"))
                     continue

@@ -27,7 +27,9 @@ _log = logging.getLogger(__name__)
 class Manifest:
     job_fingerprint: str  # hash of what defines the job's results (given by the driver)
     job_description: dict  # human-readable: model, input, sampling... (given by the driver)
-    input_files: list[dict]  # [{"uri", "path", "size_bytes"}] in index order, fixed at first start
+    # [{"uri", "path", "size_bytes", "format" (absent: parquet)}] in index order, fixed at first
+    # start
+    input_files: list[dict]
     batch_rows: int  # rows per unit, fixed at first start
     created_at: str  # ISO 8601, UTC
     version: int = MANIFEST_VERSION
@@ -69,7 +71,8 @@ class Manifest:
     def files(self) -> list[InputFile]:
         """The recorded input files as InputFile, indexed in recorded order."""
         return [
-            InputFile(path=f["path"], uri=f["uri"], size_bytes=int(f["size_bytes"]), index=i)
+            InputFile(path=f["path"], uri=f["uri"], size_bytes=int(f["size_bytes"]), index=i,
+                      format=f.get("format", "parquet"))  # fmt: skip
             for i, f in enumerate(self.input_files)
         ]
 
@@ -106,7 +109,7 @@ def open_manifest(
         manifest = Manifest(
             job_fingerprint=fingerprint,
             job_description=description,
-            input_files=[{"uri": f.uri, "path": f.path, "size_bytes": f.size_bytes} for f in files],
+            input_files=[_file_entry(f) for f in files],
             batch_rows=batch_rows,
             created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         )
@@ -148,6 +151,13 @@ def open_manifest(
             num_new,
         )
     return manifest, manifest.files()
+
+
+def _file_entry(f: InputFile) -> dict:
+    entry = {"uri": f.uri, "path": f.path, "size_bytes": f.size_bytes}
+    if f.format != "parquet":  # manifests of Parquet jobs stay as they were
+        entry["format"] = f.format
+    return entry
 
 
 def record_inputs(
