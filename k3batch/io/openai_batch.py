@@ -114,3 +114,49 @@ def _logprobs(body: dict, row: dict, *, chat: bool) -> str | None:
             return f"body.logprobs = {logprobs!r}: only 0 (the sampled token's) is supported"
         row["logprobs"] = logprobs == 0
     return None
+
+
+def response_line(
+    *, line_id: str, custom_id: str | None, chat: bool, model: str, row: dict,
+    created: int, token_text=None,
+) -> dict:  # fmt: skip
+    """One OpenAI Batch API output line for a finished row (`result.RESULT_TYPES` keys).
+
+    line_id: unique and stable per input row (the line's "id"; the body's id and request_id are
+    made from it). chat: a chat.completion body, else a text_completion. token_text(id) -> str
+    spells a token for log-probabilities (needed only when the row has them). A row with an
+    error becomes {"response": null, "error": {"code", "message"}}."""
+    if row.get("error") is not None:
+        error = {"code": "row_error", "message": row["error"]}
+        return {"id": line_id, "custom_id": custom_id, "response": None, "error": error}
+    text = row.get("generated_text") or ""
+    finish = row.get("finish_reason") or "stop"
+    usage = {
+        "prompt_tokens": row["num_prompt_tokens"],
+        "completion_tokens": row["num_output_tokens"],
+        "total_tokens": row["num_prompt_tokens"] + row["num_output_tokens"],
+    }
+    logprobs = row.get("output_logprobs")
+    tokens = row.get("output_token_ids") or []
+    suffix = line_id.removeprefix("batch_req_")
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "finish_reason": finish, "logprobs": None}  # fmt: skip
+        if logprobs is not None:
+            choice["logprobs"] = {"content": [
+                {"token": (s := token_text(t)), "logprob": lp, "bytes": list(s.encode()),
+                 "top_logprobs": []}
+                for t, lp in zip(tokens, logprobs)
+            ]}  # fmt: skip
+        body = {"id": f"chatcmpl-{suffix}", "object": "chat.completion"}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        if logprobs is not None:
+            spelled = [token_text(t) for t in tokens]
+            offsets = [sum(len(s) for s in spelled[:i]) for i in range(len(spelled))]
+            choice["logprobs"] = {"tokens": spelled, "token_logprobs": list(logprobs),
+                                  "top_logprobs": None, "text_offset": offsets}  # fmt: skip
+        body = {"id": f"cmpl-{suffix}", "object": "text_completion"}
+    body |= {"created": created, "model": model, "choices": [choice], "usage": usage}
+    response = {"status_code": 200, "request_id": f"req_{suffix}", "body": body}
+    return {"id": line_id, "custom_id": custom_id, "response": response, "error": None}

@@ -1,6 +1,8 @@
-"""Output side of a job: a directory of committed Parquet shards, one per unit of work.
+"""Output side of a job: a directory of committed shards, one per unit of work (Parquet, or JSON
+Lines for `output.format` jsonl and openai), and the merged file of a finished job.
 
-Contract: shard `part-fFFFFF-bBBBBBB.parquet` exists iff unit (file index, batch index) is done.
+Contract: shard `part-fFFFFF-bBBBBBB.<parquet|jsonl>` exists iff unit (file index, batch index)
+is done (one job writes one extension: the format is part of its fingerprint).
 A shard is written under a hidden temp name in the same directory and then renamed, so it is
 never visible half-written: rename(2) is atomic on local POSIX filesystems and on HDFS; object
 stores (S3, GCS) have no rename, pyarrow copies then deletes, and since an object only becomes
@@ -21,16 +23,16 @@ import pyarrow.parquet as pq
 
 from k3batch.io.source import filesystem_from_uri
 
-_SHARD_RE = re.compile(r"^part-f(\d+)-b(\d+)\.parquet$")
+_SHARD_RE = re.compile(r"^part-f(\d+)-b(\d+)\.(parquet|jsonl)$")
 _TEMP_SUFFIX = ".tmp"  # temp names are ".<final name>.<random>.tmp", hidden from dataset readers
 
 
-def shard_name(file_index: int, batch_idx: int) -> str:
+def shard_name(file_index: int, batch_idx: int, ext: str = "parquet") -> str:
     """Committed shard name of a unit, zero-padded so names sort in unit order:
     shard_name(3, 12) == "part-f00003-b000012.parquet"."""
     if file_index < 0 or batch_idx < 0:
         raise ValueError(f"negative unit index: file_index={file_index}, batch_idx={batch_idx}")
-    return f"part-f{file_index:05d}-b{batch_idx:06d}.parquet"
+    return f"part-f{file_index:05d}-b{batch_idx:06d}.{ext}"
 
 
 def _is_temp(name: str) -> bool:
@@ -110,16 +112,68 @@ class ShardSink:
             raise
 
     def write(self, file_index: int, batch_idx: int, table: pa.Table) -> str:
-        """Atomically commit `table` as the shard of unit (file_index, batch_idx); returns the
-        final path. Raises AssertionError if that shard is already committed (a duplicate)."""
-        final = self._join(shard_name(file_index, batch_idx))
-        if self.fs.get_file_info(final).type != pafs.FileType.NotFound:
-            raise AssertionError(
-                f"shard {final} already committed: writing unit ({file_index}, {batch_idx}) "
-                f"again would duplicate its rows"
-            )
+        """Atomically commit `table` as the Parquet shard of unit (file_index, batch_idx);
+        returns the final path. Raises AssertionError if that shard is already committed (a
+        duplicate)."""
+        final = self._new_shard(file_index, batch_idx, "parquet")
         self._commit(final, lambda out: pq.write_table(table, out))
         return final
+
+    def write_lines(self, file_index: int, batch_idx: int, lines: list[dict]) -> str:
+        """Atomically commit `lines` (one JSON object each) as the JSON Lines shard of unit
+        (file_index, batch_idx); as `write` otherwise."""
+        final = self._new_shard(file_index, batch_idx, "jsonl")
+        data = b"".join(_json_line(x) for x in lines)
+        self._commit(final, lambda out: out.write(data))
+        return final
+
+    def _new_shard(self, file_index: int, batch_idx: int, ext: str) -> str:
+        if (file_index, batch_idx) in self._committed_unit(file_index, batch_idx):
+            raise AssertionError(
+                f"shard of unit ({file_index}, {batch_idx}) already committed in {self.uri}: "
+                f"writing it again would duplicate its rows"
+            )
+        return self._join(shard_name(file_index, batch_idx, ext))
+
+    def _committed_unit(self, file_index: int, batch_idx: int) -> set:
+        paths = [self._join(shard_name(file_index, batch_idx, e)) for e in ("parquet", "jsonl")]
+        infos = self.fs.get_file_info(paths)
+        return {(file_index, batch_idx)} if any(
+            i.type != pafs.FileType.NotFound for i in infos
+        ) else set()  # fmt: skip
+
+    def shard_paths(self) -> list[str]:
+        """Paths of the committed shards in unit order."""
+        names = sorted(n for n in self._list_names() if _SHARD_RE.match(n))
+        return [self._join(n) for n in names]
+
+    def merge(self, name: str) -> str:
+        """Atomically write every committed shard, in unit order, as the one file `name` beside
+        them (JSON Lines shards: concatenated; Parquet: one file, row groups per shard, schemas
+        unified). Streams one shard at a time. Returns the path."""
+        _check_side_name(name)
+        paths = self.shard_paths()
+        if name.endswith(".jsonl"):
+            def write_temp(out):
+                for p in paths:
+                    with self.fs.open_input_stream(p) as src:
+                        while chunk := src.read(1 << 20):
+                            out.write(chunk)
+        else:
+            schemas = [pq.read_schema(p, filesystem=self.fs) for p in paths]
+            schema = pa.unify_schemas(schemas, promote_options="permissive")
+
+            def write_temp(out):
+                with pq.ParquetWriter(out, schema) as w:
+                    for p in paths:
+                        t = pq.read_table(p, filesystem=self.fs)
+                        for f in schema:  # a column some shards lack is null there
+                            if f.name not in t.schema.names:
+                                t = t.append_column(f.name, pa.nulls(t.num_rows, f.type))
+                        w.write_table(t.select(schema.names).cast(schema))
+        path = self._join(name)
+        self._commit(path, write_temp)
+        return path
 
     def read_all(self) -> pa.Table:
         """All committed shards concatenated in unit order, schemas unified permissively (a
@@ -148,6 +202,11 @@ class ShardSink:
             return json.loads(raw)
         except ValueError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def _json_line(obj: dict) -> bytes:
+    # default=str: values JSON has no type for (dates, bytes of a binary column) as their text
+    return json.dumps(obj, ensure_ascii=False, default=str).encode() + b"\n"
 
 
 def _check_side_name(name: str) -> None:
