@@ -198,3 +198,39 @@ def test_openai_round_trip_every_row_kind_parses_as_openai_types(
     assert len(text.choices[0].logprobs.token_logprobs) == text.usage.completion_tokens
     assert text.usage.prompt_tokens == 3
     assert by_id["other-model"]["response"]["body"]["model"] == "gpt-4o"
+
+
+def test_same_prompts_in_every_format_give_identical_tokens(
+    cluster, mini_model_dir, tmp_path, monkeypatch
+):
+    """The real replica (k3-mini, greedy): Parquet, JSONL, CSV and OpenAI completions input of
+    the same prompts give the same output tokens per id."""
+    prompts = {"a": "hello there", "b": "the quick brown fox", "c": "1, 2, 3,"}
+    d = {k: tmp_path / k for k in ("parquet", "jsonl", "csv", "openai")}
+    for p in d.values():
+        p.mkdir()
+    pq.write_table(pa.table({"id": list(prompts), "prompt": list(prompts.values())}),
+                   d["parquet"] / "x.parquet")  # fmt: skip
+    (d["jsonl"] / "x.jsonl").write_text(
+        "".join(json.dumps({"id": k, "prompt": v}) + "\n" for k, v in prompts.items()))
+    (d["csv"] / "x.csv").write_text(
+        "id,prompt\n" + "".join(f'{k},"{v}"\n' for k, v in prompts.items()))
+    (d["openai"] / "x.jsonl").write_text("".join(
+        json.dumps({"custom_id": k, "method": "POST", "url": "/v1/completions",
+                    "body": {"model": "k3-mini", "prompt": v, "max_tokens": 4}}) + "\n"
+        for k, v in prompts.items()))  # fmt: skip
+    tokens = {}
+    for kind, inp in d.items():
+        spec = _spec(mini_model_dir, inp, tmp_path / f"out-{kind}",
+                     fmt="openai" if kind == "openai" else "auto")  # fmt: skip
+        spec = spec.__class__(**{**{f: getattr(spec, f) for f in spec.__dataclass_fields__},
+                                 "sampling": SamplingParams(temperature=0, max_new_tokens=4)})
+        monkeypatch.setattr(job_mod, "resolve_input",
+                            lambda path, f=spec.input.format: resolve_input(path, format=f))
+        run_job(spec)
+        rows = pq.read_table(tmp_path / f"out-{kind}").to_pylist()
+        assert all(r["error"] is None for r in rows), rows
+        tokens[kind] = {r["id"]: r["output_token_ids"] for r in rows}
+    assert all(len(t) == 4 for t in tokens["parquet"].values())
+    for kind in ("jsonl", "csv", "openai"):
+        assert tokens[kind] == tokens["parquet"], kind
