@@ -19,8 +19,8 @@ import decimal
 import functools
 import logging
 import math
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow as pa
 

@@ -3,7 +3,6 @@ rows, bad lines and one unreadable file writes every good row once, flags each b
 number, and a rerun after a kill (shards lost) completes exactly once; per output format, the
 shards and the merged file; OpenAI output lines parsed back by the `openai` package's types."""
 
-import gzip
 import json
 
 import pyarrow as pa
@@ -187,7 +186,8 @@ def test_openai_round_trip_every_row_kind_parses_as_openai_types(
         assert g["response"]["status_code"] == 200 and g["response"]["request_id"]
         model = ChatCompletion if body["object"] == "chat.completion" else types.Completion
         parsed = model.model_validate(body)
-        assert parsed.usage.total_tokens == parsed.usage.prompt_tokens + parsed.usage.completion_tokens
+        usage = parsed.usage
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert by_id["n2"]["error"]["message"].endswith("body.n = 2: only n = 1 is supported")
     assert "url = '/v1/embeddings'" in by_id["get"]["error"]["message"]
     assert "line 8: malformed JSON" in got[-1]["error"]["message"]

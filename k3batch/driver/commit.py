@@ -21,8 +21,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from k3batch.driver.intake import OpenUnit
-from k3batch.io import ShardSink
-from k3batch.io import openai_batch
+from k3batch.io import ShardSink, openai_batch
 from k3batch.jobspec import JobSpec
 from k3batch.report import JobReport
 from k3batch.result import append_results, result_names

@@ -21,6 +21,7 @@ from k3batch.jobspec import InputSpec
 from k3batch.prompts import prompt_source
 from k3batch.result import RESULT_TYPES
 
+
 @dataclass(frozen=True, slots=True)
 class InputSurvey:
     contract: dict  # {"prompt_column", "prompt_type", "id_type" (None: ids are generated)}

@@ -6,8 +6,8 @@ import gzip
 import json
 
 import pyarrow as pa
-import pyarrow.feather as feather
 import pytest
+from pyarrow import feather
 
 from k3batch.io.source import count_rows, iter_units, resolve_input
 
@@ -40,8 +40,8 @@ def test_jsonl_bad_lines_are_row_errors_numbers_kept(tmp_path, name):
     assert files[0].format == "jsonl"
     fs, _ = resolve_input(path)
     assert count_rows(fs, files) == [5]
-    assert [(u.batch_idx, u.row_offset, u.table.num_rows) for u in units] == [(0, 0, 2), (1, 2, 2),
-                                                                              (2, 4, 1)]  # fmt: skip
+    shape = [(u.batch_idx, u.row_offset, u.table.num_rows) for u in units]
+    assert shape == [(0, 0, 2), (1, 2, 2), (2, 4, 1)]
     assert units[0].table.column("id").to_pylist() == ["r0", None]
     assert units[0].row_errors[1].startswith("line 2: malformed JSON")
     assert units[1].row_errors == {0: "line 4: prompt must be a string, got int",
