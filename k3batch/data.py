@@ -25,9 +25,9 @@ from k3batch.actors.serve import EngineServer
 from k3batch.driver.inputs import file_contract
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import SamplingParams
-from k3batch.jobspec import InputSpec, JobSpec, OutputSpec, ReplicaRange, ReplicaSpec
-from k3batch.prompts import prepare_rows
-from k3batch.result import append_results, error_row, result_names, result_row
+from k3batch.driver.jobspec import InputSpec, JobSpec, OutputSpec, ReplicaRange, ReplicaSpec
+from k3batch.driver.prompts import prepare_rows
+from k3batch.actors.result import append_results, error_row, result_names, result_row
 
 if TYPE_CHECKING:
     import ray.data

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from k3batch.driver import run_job
-from k3batch.jobspec import load_job_spec
+from k3batch.driver.jobspec import load_job_spec
 from k3batch.model.weights import init_checkpoint
 
 PROMPTS = [

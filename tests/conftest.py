@@ -19,8 +19,8 @@ import torch  # noqa: E402
 from k3batch.model import K3Model, get_flavor  # noqa: E402
 from k3batch.model.init import init_random_  # noqa: E402
 from k3batch.model.weights import write_checkpoint  # noqa: E402
-from k3batch.simcluster import free_port, stop_session  # noqa: E402
-from k3batch.submit import _client  # noqa: E402
+from k3batch.testing.simcluster import free_port, stop_session  # noqa: E402
+from k3batch.cli.submit import _client  # noqa: E402
 from k3batch.testing import K3_MINI  # noqa: E402
 
 # Without a GPU, Triton kernels run through Triton's interpreter (tiny shapes), so CI checks every

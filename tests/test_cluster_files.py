@@ -10,7 +10,7 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from k3batch.jobspec import load_job_spec
+from k3batch.driver.jobspec import load_job_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_JOBS = [p for p in sorted((ROOT / "jobs").glob("*.toml"))

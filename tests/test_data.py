@@ -14,8 +14,8 @@ import ray
 from k3batch.data import generate
 from k3batch.driver import run_job
 from k3batch.engine.request import SamplingParams
-from k3batch.jobspec import EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaSpec
-from k3batch.result import result_names
+from k3batch.driver.jobspec import EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaSpec
+from k3batch.actors.result import result_names
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=4)
 # One request at a time: every row's arithmetic is that of a run alone, however the job and the

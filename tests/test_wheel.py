@@ -144,7 +144,7 @@ def test_wheel_imports_every_module_and_runs_cli(installed, tmp_path):
 
 # What needs the `fla` extra (triton, fla) and runs only on a GPU: the Triton kernels and the
 # routed-expert benchmark. Everything else imports without them.
-GPU_ONLY = {"k3batch.bench_moe", "k3kernels.pdl"} | {
+GPU_ONLY = {"k3batch.bench.moe", "k3kernels.pdl"} | {
     f"k3kernels.{p}" for p in ("attn_res.mix", "kda.chunk_state", "kda.conv_decode",
                                "kda.conv_prefill", "kda.recurrent_decode", "mla.decode",
                                "mla.merge", "mla.prefill", "moe.act", "moe.combine",

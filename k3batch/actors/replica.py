@@ -43,7 +43,7 @@ from k3batch.actors.placement import CALL_TIMEOUT_S, get_within
 from k3batch.actors.serve import EngineServer
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import GenerationResult, SamplingParams
-from k3batch.result import result_row
+from k3batch.actors.result import result_row
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 A KDA block holds, per KDA layer, the fp32 recurrent state [H, K, V] and the three conv states
 [3, C, W-1] (model dtype). An MLA page holds `page_size` tokens' latents [page_size, kv_lora +
 rope] per MLA layer (under DCP: `page_size` tokens of the rank's stripe). Every segment starts
-on an ALIGN-byte boundary. The planner (`k3batch.plan`) and every runner size their pools with
-these numbers, so the plan and the pools cannot disagree.
+on an ALIGN-byte boundary. The planner (`k3batch.parallel.plan`) and every runner size their
+pools with these numbers, so the plan and the pools cannot disagree.
 """
 
 from dataclasses import dataclass

@@ -16,10 +16,13 @@ Modules: `job` (run_job: setup and teardown), `inputs` (survey, schema contract)
 (first occurrences, on disk), `intake` (units -> rows), `dispatch` (rows <-> replicas),
 `health` (replica states, probes), `commit` (shards, completeness), `loop` (joins them),
 `replicas` (startup, bounded waits, statistics), `fake` (an instant replica for tests and the
-benchmark), `bench` (driver memory and time at scale).
+benchmark). The job's vocabulary, beside the driver that uses it: `jobspec` (JobSpec, the TOML
+file), `prompts` (rows -> token ids), `report` (the job's report). The output columns a replica
+returns are `k3batch.actors.result` (a floor down: the replicas write them too). The driver's
+benchmarks are `k3batch.bench.driver` and `k3batch.bench.elastic`.
 """
 
-from k3batch.lazy import lazy_attributes
+from k3batch._lazy import lazy_attributes
 
 __all__ = ["run_job"]
 

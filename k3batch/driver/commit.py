@@ -22,9 +22,9 @@ import pyarrow.fs as pafs
 
 from k3batch.driver.intake import OpenUnit
 from k3batch.io import ShardSink, openai_batch
-from k3batch.jobspec import JobSpec
-from k3batch.report import JobReport
-from k3batch.result import append_results, result_names
+from k3batch.driver.jobspec import JobSpec
+from k3batch.driver.report import JobReport
+from k3batch.actors.result import append_results, result_names
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ import ray
 
 from k3batch.driver.health import Failure, Health
 from k3batch.driver.intake import GET_TIMEOUT_S
-from k3batch.prompts import RowWork
-from k3batch.result import error_row
+from k3batch.driver.prompts import RowWork
+from k3batch.actors.result import error_row
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ import pyarrow.fs as pafs
 
 from k3batch.io import InputFile
 from k3batch.io.source import scan_file
-from k3batch.jobspec import InputSpec
-from k3batch.prompts import prompt_source
-from k3batch.result import RESULT_TYPES
+from k3batch.driver.jobspec import InputSpec
+from k3batch.driver.prompts import prompt_source
+from k3batch.actors.result import RESULT_TYPES
 
 
 @dataclass(frozen=True, slots=True)

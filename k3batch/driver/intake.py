@@ -16,9 +16,9 @@ import pyarrow as pa
 import ray
 
 from k3batch.driver.ids import IdIndex, id_strings, position
-from k3batch.jobspec import JobSpec
-from k3batch.prompts import RowWork, prepare_rows
-from k3batch.result import error_row
+from k3batch.driver.jobspec import JobSpec
+from k3batch.driver.prompts import RowWork, prepare_rows
+from k3batch.actors.result import error_row
 
 log = logging.getLogger(__name__)
 

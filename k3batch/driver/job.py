@@ -27,9 +27,9 @@ from k3batch.driver.loop import Loop
 from k3batch.driver.replicas import ReplicaPool
 from k3batch.io import OutputLease, ShardSink, iter_units, open_manifest, record_inputs
 from k3batch.io import resolve_input
-from k3batch.jobspec import JobSpec
+from k3batch.driver.jobspec import JobSpec
 from k3batch.model.config import K3Config
-from k3batch.report import REPORT_NAME, JobReport, Progress
+from k3batch.driver.report import REPORT_NAME, JobReport, Progress
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from k3batch.driver.health import Health
-from k3batch.jobspec import JobSpec, ReplicaSpec
+from k3batch.driver.jobspec import JobSpec, ReplicaSpec
 
 log = logging.getLogger(__name__)
 

@@ -37,13 +37,13 @@ def arena_bytes(layout: CacheLayout, config: EngineConfig, device, *, dcp_size: 
     `memory_fraction` or a measured `workspace` (then the fraction defaults to
     GPU_MEMORY_FRACTION), that fraction of its memory minus what is in use (the weights) and a
     reserve: the workspace + GPU_SLACK_BYTES, or the planner's DEFAULT_RESERVE_BYTES where
-    nothing was measured (`k3batch.plan.pool_bytes`); else room for max_num_seqs (+ extra)
+    nothing was measured (`k3batch.parallel.plan.pool_bytes`); else room for max_num_seqs (+ extra)
     requests of max_seq_len tokens."""
     if config.cache_bytes:
         return config.cache_bytes
     device = torch.device(device)
     if device.type == "cuda" and (config.memory_fraction or workspace is not None):
-        from k3batch.plan import DEFAULT_RESERVE_BYTES, pool_bytes
+        from k3batch.parallel.plan import DEFAULT_RESERVE_BYTES, pool_bytes
 
         free, total = torch.cuda.mem_get_info(device)
         fraction = config.memory_fraction or GPU_MEMORY_FRACTION

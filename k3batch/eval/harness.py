@@ -23,7 +23,7 @@ from lm_eval.api.model import TemplateLM
 from k3batch.eval.requests import SCHEMA, encode_pair, rolling_windows, sample_seed
 from k3batch.eval.run import run_requests
 from k3batch.eval.score import cut, scored
-from k3batch.jobspec import JobSpec
+from k3batch.driver.jobspec import JobSpec
 from k3batch.tokenizer import Tokenizer
 
 DEFAULT_MAX_GEN_TOKS = 256

@@ -29,8 +29,8 @@ from k3batch.engine.request import SamplingParams
 from k3batch.eval.requests import build_requests
 from k3batch.eval.score import format_table, score
 from k3batch.eval.suite import SuiteSpec
-from k3batch.jobspec import InputSpec, JobSpec, OutputSpec
-from k3batch.report import JobReport, cache_line
+from k3batch.driver.jobspec import InputSpec, JobSpec, OutputSpec
+from k3batch.driver.report import JobReport, cache_line
 from k3batch.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

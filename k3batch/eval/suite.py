@@ -53,7 +53,7 @@ import jinja2.meta
 import jinja2.sandbox
 import yaml
 
-from k3batch.jobspec import check_types
+from k3batch.driver.jobspec import check_types
 
 Kind = Literal["multiple_choice", "generate", "loglikelihood_rolling"]
 

@@ -1,4 +1,4 @@
-from k3batch.lazy import lazy_attributes
+from k3batch._lazy import lazy_attributes
 from k3batch.model.config import FLAVORS, K3Config, get_flavor
 
 __all__ = ["FLAVORS", "K3Config", "K3Model", "get_flavor"]

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from k3batch.engine.config import EngineConfig
-from k3batch.jobspec import InputSpec, JobSpec, OutputSpec, ReplicaSpec
+from k3batch.driver.jobspec import InputSpec, JobSpec, OutputSpec, ReplicaSpec
 from k3batch.model import get_flavor
 from k3batch.model.weights import init_checkpoint, write_checkpoint
 from k3batch.tokenizer import Tokenizer

@@ -23,7 +23,7 @@ from k3batch.driver.fake import FaultyReplica
 from k3batch.driver.health import CrashLoopError
 from k3batch.engine.request import SamplingParams
 from k3batch.io import shard_name
-from k3batch.jobspec import EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaSpec
+from k3batch.driver.jobspec import EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaSpec
 
 END_S = 240  # every job here ends well within this (a few replica starts on a 2-core machine)
 FAILURES = 2  # replicas.max_consecutive_failures of these jobs

@@ -5,13 +5,13 @@ a decode rank or the driver (then the job is rerun). Every id must be written ex
 greedy tokens must equal an uninterrupted run's, and no run may hang (each is a subprocess with a
 time limit). The slow test makes 20 kills and prints a table (kill point, victim, rows redone,
 wall time; benchmarks/faults_pp2_tp2_cpu.txt); one decode-rank kill mid-job (about 2 min) is
-slow too. The default suite's kills are in test_group_health.py and tests/test_job.py.
+slow too. The default suite's kills are in test_group_health.py and tests/driver/test_job.py.
 
 Victims are found through Ray's state API (class name and job, never by process name: other
 Ray sessions may share the machine) and killed with SIGKILL, as a crash or the OOM killer would.
 
 Tokens are compared bit for bit, so the jobs decode one sequence at a time (max_num_seqs = 1; see
-tests/test_job.py: batched fp32 math is not batch-invariant).
+tests/driver/test_job.py: batched fp32 math is not batch-invariant).
 """
 
 import os
@@ -188,7 +188,8 @@ def check_output(out: Path, ref: dict) -> None:
 
 
 def reference(tmp, model_dir, inp, head) -> dict:
-    """The uninterrupted single-device run (tests/test_job.py: pp/tp runs equal it exactly)."""
+    """The uninterrupted single-device run (tests/driver/test_job.py: pp/tp runs equal it
+    exactly)."""
     job = write_job(tmp, model_dir, inp, "ref", pp=1, tp=1)
     rc = _finish(start_job(job, head.gcs_address), time.monotonic() + RUN_TIMEOUT_S)
     assert rc == 0, job.with_suffix(".log").read_text()[-3000:]

@@ -23,7 +23,7 @@ from ray.util.state import list_actors
 from fault_jobs import start_job, write_job
 
 from k3batch.model.weights import init_checkpoint
-from k3batch.simcluster import multinode_cluster
+from k3batch.testing.simcluster import multinode_cluster
 
 pytestmark = pytest.mark.slow
 

@@ -21,8 +21,8 @@ import ray
 from k3batch.driver import run_job
 from k3batch.driver.fake import FakeReplica
 from k3batch.engine.request import SamplingParams
-from k3batch.jobspec import EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaSpec
-from k3batch.simcluster import multinode_cluster
+from k3batch.driver.jobspec import EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaSpec
+from k3batch.testing.simcluster import multinode_cluster
 
 END_S = 180
 ROWS = 40

@@ -192,7 +192,7 @@ def test_disaggregated_engine_on_gpus_matches_one_gpu(local_ray, mini_model_dir,
     if tp <= 1:
         assert got == ref
     if stats is not None:
-        from k3batch.report import handoff_line
+        from k3batch.driver.report import handoff_line
 
         print(handoff_line(stats))
         assert stats["handoffs"] == len(prompts) and min(stats["handoff_s_per_rank"]) > 0

@@ -90,7 +90,7 @@ def test_pipeline_prefill_is_bit_identical(cluster, mini_model_dir, pp):
 
 
 def test_fill_benchmark_runs_and_teaching_model(cluster, mini_model_dir):
-    from k3batch.bench import format_fill_table, pipeline_fill, teaching_fill
+    from k3batch.bench.engine import format_fill_table, pipeline_fill, teaching_fill
 
     assert round(teaching_fill(5, 8), 3) == 0.417  # the blog's 5 chunks over 8 stages
     rows = pipeline_fill(

@@ -43,7 +43,7 @@ from k3batch.parallel.handoff import (
 )
 from k3batch.parallel.layout import ParallelLayout
 from k3batch.parallel.tp import build_rank_model, load_rank_weights_, shard_full_state_dict
-from k3batch.simcluster import free_port
+from k3batch.testing.simcluster import free_port
 from k3batch.testing import K3_MINI, assert_close, slot_batch, slot_cache, slot_pages, slot_tensors
 
 PROMPT_LENS = (5, 12, 19)

@@ -1,0 +1,319 @@
+"""`k3batch bench mla-decode` / `mla-prefill` / `kda-decode`: attention kernels alone on one GPU.
+
+mla-decode: the paged absorbed decode kernel (split-K + merge) over B sequences of a fixed
+context, pages handed out in a shuffled order; reports the bandwidth on the latent bytes it
+reads (B * context * (L + R) * itemsize) against the H200's measured copy bandwidth.
+mla-prefill: the varlen flash prefill kernel (expanded form, causal, optional cached prefix);
+reports useful TFLOP/s (causal pairs only) against the measured bf16 GEMM peak.
+kda-decode: the in-place recurrent KDA step over B sequences (K3 heads), states in shuffled
+arena blocks; reports the bandwidth on the state bytes (read and written, fp32) against the
+copy bandwidth, and fla's recurrent kernel on the same inputs for comparison.
+Times are medians of `triton.testing.do_bench` (L2 flushed between runs), except mla-decode's:
+replays of a CUDA graph of the call, as the engine's decode step runs it (do_bench's timing of
+the eager call took in ~20 us of the host's launches: 0.188 against 0.165 ms at 12 heads).
+`sweep=True` times each launch configuration too (after the default; `on_row` gets each row)
+and reports the best.
+"""
+
+import itertools
+import math
+import shutil
+import statistics
+import subprocess
+import time
+
+import torch
+
+from k3batch.bench.roofline import BF16_TFLOPS, COPY_TBPS
+
+
+def _median_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def time_ms(fn, repeats: int, graph: bool = True) -> float:
+    """Median CUDA-event time of fn after a warm-up; with graph, of the replay of a CUDA graph
+    of fn (what the engine's decode step runs), so that the host's launch time, which exceeds
+    the GPU's at a few tokens, is left out."""
+    if graph:
+        fn = graph_replay(fn)
+    fn()  # warm-up: Triton compilation, CUTLASS setup (or the graph's first replay)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graph_replay(fn):
+    """The replay of a CUDA graph of fn, captured after one eager call (Triton compilation,
+    CUTLASS setup)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def sustained_clock(fn, seconds: float = 2.0) -> dict:
+    """{"sm_mhz", "watts"}: medians of nvidia-smi's samples (every 100 ms) while a CUDA graph
+    of fn replays for `seconds`, after one second of replays to let the clock settle; {}
+    without nvidia-smi. A kernel that holds the board at its power limit runs at a lower SM
+    clock (one H200, the routed-expert GEMMs of `bench moe`: ~1,335 of 1,980 MHz at 695 of
+    700 W, `benchmarks/kernels_h200.txt`), so its share of a peak measured on another kernel
+    depends on what it draws."""
+    if shutil.which("nvidia-smi") is None:
+        return {}
+    replay = graph_replay(fn)
+
+    def replay_for(s):
+        end = time.perf_counter() + s
+        while time.perf_counter() < end:
+            replay()
+            torch.cuda.synchronize()  # a bounded queue: the samples then match the work
+
+    replay_for(1.0)
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    bus = getattr(props, "pci_bus_id", None)
+    select = [] if bus is None else [
+        f"--id={props.pci_domain_id:08X}:{bus:02X}:{props.pci_device_id:02X}.0"]
+    query = ["--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100"]
+    smi = subprocess.Popen(["nvidia-smi", *select, *query], stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    try:
+        replay_for(seconds)
+    finally:
+        smi.terminate()
+    return clock_medians(smi.communicate()[0])
+
+
+def clock_medians(smi_csv: str) -> dict:
+    """{"sm_mhz", "watts"} of nvidia-smi's "MHz, W" lines (medians; lines that do not parse,
+    such as "[N/A]", are skipped); {} if none does."""
+    samples = []
+    for line in smi_csv.splitlines():
+        try:
+            mhz, watts = (float(v) for v in line.split(","))
+        except ValueError:
+            continue
+        samples.append((mhz, watts))
+    if not samples:
+        return {}
+    return {"sm_mhz": round(statistics.median(m for m, _ in samples)),
+            "watts": round(statistics.median(w for _, w in samples), 1)}
+
+
+def _sweep(configs: list[dict], time_cfg, rate, on_row=None) -> list[dict]:
+    """Each launch config timed: cfg | {"ms", **rate(ms)}, or cfg | {"error"} for one the
+    device refuses (out of shared memory or registers); on_row sees each timed row."""
+    tried = []
+    for cfg in configs:
+        try:
+            ms = time_cfg(cfg)
+        except Exception as e:
+            tried.append(cfg | {"error": type(e).__name__})
+            continue
+        tried.append(cfg | {"ms": ms} | rate(ms))
+        if on_row:
+            on_row(tried[-1])
+    return tried
+
+
+def decode_inputs(batch: int, context_len: int, heads: int, *, kv_lora: int = 512,
+                  rope: int = 64, page_size: int = 64, dtype=torch.bfloat16,
+                  seed: int = 0):  # fmt: skip
+    """(q [B, H, C], pool [P, page_size, C], page_rows [B, pages], seq_lens [B] int32) on CUDA;
+    the pool is one tensor with pages in a random order."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    C, per_seq = kv_lora + rope, math.ceil(context_len / page_size)
+    P = batch * per_seq
+    pool = torch.randn(P, page_size, C, device="cuda", dtype=dtype, generator=g)
+    rows = torch.randperm(P, device="cuda", generator=g).view(batch, per_seq)
+    q = torch.randn(batch, heads, C, device="cuda", dtype=dtype, generator=g)
+    lens = torch.full((batch,), context_len, dtype=torch.int32, device="cuda")
+    return q, pool, rows, lens
+
+
+def run_mla_decode_bench(*, batch: int = 64, context_len: int = 8192, heads: int = 96,
+                         page_size: int = 64, sweep: bool = False,
+                         on_row=None) -> dict:  # fmt: skip
+    from k3kernels.mla import decode as K
+
+    kv_lora, rope = 512, 64
+    q, pool, rows, lens = decode_inputs(batch, context_len, heads, kv_lora=kv_lora, rope=rope,
+                                        page_size=page_size)  # fmt: skip
+    scale = (128 + rope) ** -0.5
+    nbytes = batch * context_len * (kv_lora + rope) * pool.dtype.itemsize
+    base = K.launch_config(heads, page_size) | {
+        "num_splits": K.num_splits_for(batch, heads, context_len)}
+
+    def time_cfg(cfg):
+        launch = {k: v for k, v in cfg.items() if k != "num_splits"}
+
+        def fn():
+            return K.mla_decode(q, pool, rows, lens, kv_lora=kv_lora, scale=scale,
+                                num_splits=cfg["num_splits"], config=launch)  # fmt: skip
+
+        return time_ms(fn, repeats=50)
+
+    default_ms = time_cfg(base)
+    tried = []
+    if sweep:
+        m = base["num_splits"]
+        splits = sorted({max(1, m - 1), m, m + 1, 2 * m})
+        if heads <= K.SMALL_HEADS:  # a TP / DCP rank's heads
+            grid = itertools.product((K.SMALL_HEADS,), (32, 64), (2, 4, 8), (2, 3, 4), splits)
+        else:
+            grid = itertools.product((32, 64), (16, 32, 64), (4, 8), (1, 2, 3), splits)
+        configs = [dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, num_splits=m)
+                   for bh, bn, nw, ns, m in grid]  # fmt: skip
+        tried = _sweep(configs, time_cfg, lambda ms: {"tbps": nbytes / ms / 1e9}, on_row)
+    ok = [t for t in tried if "ms" in t]
+    best = min(ok, key=lambda t: t["ms"]) if ok else base | {"ms": default_ms}
+    tbps = nbytes / default_ms / 1e9
+    return {
+        "batch": batch, "context_len": context_len, "heads": heads, "page_size": page_size,
+        "latent_bytes": nbytes, "default": base | {"ms": default_ms, "tbps": tbps},
+        "default_fraction_of_copy": tbps / COPY_TBPS,
+        "best": best | {"tbps": nbytes / best["ms"] / 1e9},
+        "best_fraction_of_copy": nbytes / best["ms"] / 1e9 / COPY_TBPS,
+        "sweep": sorted(ok, key=lambda t: t["ms"])[:15],
+        "errors": [t for t in tried if "error" in t][:10],
+    }  # fmt: skip
+
+
+def run_mla_prefill_bench(*, seq_lens=(8192,), cached_lens=None, heads: int = 96,
+                          sweep: bool = False, on_row=None) -> dict:  # fmt: skip
+    from k3kernels.mla import prefill as K
+
+    Dn, R, Dv, L = 128, 64, 128, 512
+    cached = list(cached_lens or [0] * len(seq_lens))
+    k_lens = [c + n for c, n in zip(cached, seq_lens)]
+    T, S = sum(seq_lens), sum(k_lens)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dt = torch.bfloat16
+    q = torch.randn(T, heads, Dn + R, device="cuda", dtype=dt, generator=g)
+    kv = torch.randn(S, heads, Dn + Dv, device="cuda", dtype=dt, generator=g)
+    latent = torch.randn(S, L + R, device="cuda", dtype=dt, generator=g)
+
+    def cu(lens):
+        return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+
+    cu_q, cu_k = cu(seq_lens), cu(k_lens)
+    pairs = sum(n * c + n * (n + 1) // 2 for n, c in zip(seq_lens, cached))  # causal (q, k)
+    flops = 2 * pairs * heads * (Dn + R + Dv)
+    base = dict(block_m=K.BLOCK_M, block_n=K.BLOCK_N, num_warps=K.NUM_WARPS,
+                num_stages=K.NUM_STAGES)  # fmt: skip
+
+    def run(cfg):
+        return K.mla_prefill(q, kv[..., :Dn], latent[:, L:], kv[..., Dn:], cu_q, cu_k,
+                             max_seqlen_q=max(seq_lens), scale=(Dn + R) ** -0.5,
+                             **cfg)  # fmt: skip
+
+    def time_cfg(cfg):
+        return _median_ms(lambda: run(cfg))
+
+    default_ms = time_cfg(base)
+    tried = []
+    if sweep:
+        grid = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
+        configs = [dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+                   for bm, bn, nw, ns in grid]  # fmt: skip
+        tried = _sweep(configs, time_cfg, lambda ms: {"tflops": flops / ms / 1e9}, on_row)
+    ok = [t for t in tried if "ms" in t]
+    best = min(ok, key=lambda t: t["ms"]) if ok else base | {"ms": default_ms}
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    run(base)
+    peak_extra = torch.cuda.max_memory_allocated() - before
+    return {
+        "seq_lens": list(seq_lens), "cached_lens": cached, "heads": heads, "flops": flops,
+        "default": base | {"ms": default_ms, "tflops": flops / default_ms / 1e9},
+        "default_fraction_of_bf16_peak": flops / default_ms / 1e9 / BF16_TFLOPS,
+        "best": best | {"tflops": flops / best["ms"] / 1e9},
+        "sweep": sorted(ok, key=lambda t: t["ms"])[:10],
+        "errors": [t for t in tried if "error" in t][:10],
+        "peak_extra_bytes": peak_extra,
+    }  # fmt: skip
+
+
+def run_kda_decode_bench(*, batch: int = 64, heads: int = 96, head_dim: int = 128,
+                         sweep: bool = False, on_row=None) -> dict:  # fmt: skip
+    from k3kernels.kda import recurrent_decode as K
+
+    N, H, D = batch, heads, head_dim
+    g = torch.Generator(device="cuda").manual_seed(0)
+    NB = 2 * N + 1
+    pool = torch.randn(NB, H, D, D, device="cuda", generator=g) * 0.1
+    slots = torch.randperm(NB, device="cuda", generator=g)[:N]
+    q, k, v, f = (torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+                  for _ in range(4))  # fmt: skip
+    b = torch.randn(N, H, device="cuda", generator=g)
+    A_log = torch.rand(H, device="cuda", generator=g).mul(15).add(1).log()
+    dt_bias = torch.randn(H * D, device="cuda", generator=g) * 0.5 - 1.0
+    args = (q, k, v, f, b, A_log, dt_bias)
+    kw = dict(lower_bound=-5.0, scale=D**-0.5, state_pool=pool, slots=slots)
+    nbytes = 2 * N * H * D * D * 4  # state read and written
+    base = dict(block_v=K.BLOCK_V, num_warps=K.NUM_WARPS)
+
+    def time_cfg(cfg):
+        return _median_ms(lambda: K.kda_decode_(*args, **kw, **cfg))
+
+    default_ms = time_cfg(base)
+    rate = lambda ms: {"tbps": nbytes / ms / 1e9}  # noqa: E731
+    tried = []
+    if sweep:
+        configs = [dict(block_v=bv, num_warps=nw)
+                   for bv, nw in itertools.product((32, 64, 128), (2, 4, 8, 16))]  # fmt: skip
+        tried = _sweep(configs, time_cfg, rate, on_row)
+    ok = [t for t in tried if "ms" in t]
+    best = min(ok, key=lambda t: t["ms"]) if ok else base | {"ms": default_ms}
+    fla_ms = _median_ms(lambda: _fla_recurrent_step(*args, **kw))
+    return {
+        "batch": N, "heads": H, "head_dim": D, "state_bytes": nbytes,
+        "default": base | {"ms": default_ms} | rate(default_ms),
+        "default_fraction_of_copy": rate(default_ms)["tbps"] / COPY_TBPS,
+        "best": best | rate(best["ms"]),
+        "fla": {"ms": fla_ms} | rate(fla_ms),
+        "fla_fraction_of_copy": rate(fla_ms)["tbps"] / COPY_TBPS,
+        "sweep": sorted(ok, key=lambda t: t["ms"])[:10],
+        "errors": [t for t in tried if "error" in t][:10],
+    }  # fmt: skip
+
+
+def _fla_recurrent_step(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, state_pool,
+                        slots):  # fmt: skip
+    """fla-core 0.6.0's recurrent KDA kernel in place (V in blocks of 32), for comparison."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    N, H, D = q.shape
+    return fused_recurrent_kda_fwd(
+        q=q.view(N, 1, H, D), k=k.view(N, 1, H, D), v=v.view(N, 1, H, D), g=f.view(N, 1, H, D),
+        beta=b.view(N, 1, H), A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        scale=scale, initial_state=state_pool, output_final_state=True,
+        inplace_final_state=True, ssm_state_indices=slots, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+
+
+def format_result(name: str, r: dict) -> str:
+    d, b = r["default"], r["best"]
+    if "tbps" in d:
+        unit, ref = "TB/s", COPY_TBPS
+    else:
+        unit, ref = "TFLOP/s", BF16_TFLOPS
+    key = "tbps" if unit == "TB/s" else "tflops"
+    cfg = {k: v for k, v in d.items() if k not in ("ms", key)}
+    bcfg = {k: v for k, v in b.items() if k not in ("ms", key)}
+    return (
+        f"{name}: default {d['ms']:.3f} ms, {d[key]:.2f} {unit} ({d[key] / ref:.0%} of {ref}) "
+        f"{cfg}\n{name}: best    {b['ms']:.3f} ms, {b[key]:.2f} {unit} ({b[key] / ref:.0%}) {bcfg}"
+    )
