@@ -51,7 +51,7 @@ def generate(
     input_columns: InputSpec | None = None,
 ) -> "ray.data.Dataset":
     """`ds` with the output columns of `k3batch run` appended to every row (lazy, like any
-    Ray Data transform). Settings are a job's (`jobspec.py`) and checked the same way, with a
+    Ray Data transform). Settings are a job's (`driver/jobspec.py`) and checked the same way, with a
     ValueError naming the field, before anything runs.
 
     model: checkpoint directory; sampling: every row's defaults (a row's own `temperature`,

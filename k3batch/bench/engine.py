@@ -1,7 +1,7 @@
 """Benchmarks (numbers are printed, never asserted). `k3batch bench pipeline`: the fill of a
 chunked prefill pipeline against the teaching model. `k3batch bench engine`: single-device
 prefill and decode speed, prefill MFU, peak memory and (with --profile) the top ops by GPU time.
-`k3batch bench moe` lives in `bench_moe.py`.
+`k3batch bench moe` lives in `bench/moe.py`.
 
 MFU counts useful FLOPs as 2 x active parameters per token (`k3batch.bench.roofline.active_params`:
 every projection, the top-k routed experts and the shared experts, the LM head; not the

@@ -1,7 +1,7 @@
 """JobSpec: what a batch job reads, how it generates, where it writes, on what resources.
 
 A spec is a TOML or YAML file with the sections below (the common fields can also be set by CLI
-flags, see `cli.py`); `validate()` checks everything that can be checked before any model is
+flags, see `k3batch/cli/`); `validate()` checks everything that can be checked before any model is
 loaded and raises `ValueError` naming the field. Example: `jobs/debug_cpu.toml`.
 
 Types are checked strictly, by a pydantic schema derived from the dataclasses' annotations (the

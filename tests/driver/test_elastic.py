@@ -5,7 +5,7 @@ placement groups and Ray's autoscaler are real; no model runs).
   for GPU nodes because its spec does (`device = "auto"`, an accelerator type), starts when
   the first replica is up (not waiting for the second), reaches `max`, drains at the tail (a
   replica released while the last row, 3 s long, still runs), scales back to zero nodes once
-  they are idle (`bench_elastic.IDLE_TIMEOUT_S`) and writes every row exactly once.
+  they are idle (`k3batch.bench.elastic.IDLE_TIMEOUT_S`) and writes every row exactly once.
 - One request per replica: two replicas of three GPU bundles each (pp = 1, tp = 2) on a node
   with four GPUs (room for one and a half): one runs, the other waits holding nothing. (The
   old driver asked for a replica's prefill and decode groups separately: 1 + 2 + 1 of the 4

@@ -5,8 +5,8 @@ prefill stage, one decode rank, the handoff over NCCL).
 bf16 rounding depends on the batch a request shares, so both sides run one request at a time
 (`max_num_seqs = 1`, the composition the job's CPU tests pin too). The reference is the engine
 that `k3batch bench job` compares against (`build_engine` on this process's GPU), freed before
-the job starts. Prompts are token ids (`bench_job.write_random_prompts`), so no tokenizer sits
-between the two sides.
+the job starts. Prompts are token ids (`k3batch.bench.job.write_random_prompts`), so no
+tokenizer sits between the two sides.
 """
 
 import gc
