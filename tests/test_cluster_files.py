@@ -88,3 +88,44 @@ def test_each_gpu_job_matches_a_declared_node_type(job, source):
         f"{job.name}: accelerator_type = {r.accelerator_type!r}, gpus_per_node = "
         f"{r.gpus_per_node}; {source} declares {types}"
     )
+
+
+def _metric_names() -> set[str]:
+    """Every k3batch_ metric the code defines (`k3batch/metrics.py`), as Prometheus scrapes it:
+    ray_ before, _total after a counter's name."""
+    import ast
+
+    src = (ROOT / "k3batch" / "metrics.py").read_text()
+    names = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("Counter", "Gauge",
+                                                                          "Histogram"):  # fmt: skip
+            name = f"ray_{node.args[0].value}"
+            names.add(name + "_total" if node.func.id == "Counter" else name)
+    return names
+
+
+def test_grafana_dashboard_uses_exactly_the_exported_metrics():
+    import json
+
+    dash = json.loads((ROOT / "cluster" / "grafana_k3batch.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {re.sub(r"_(bucket|count|sum)$", "", n) for e in exprs
+            for n in re.findall(r"ray_k3batch_\w+", e)}  # fmt: skip
+    defined = _metric_names()
+    assert len(defined) == 17, defined
+    assert used == defined, (used - defined, defined - used)
+    assert all('job=~"$job"' in e for e in exprs)
+
+
+def test_kuberay_pods_are_scraped_on_the_metrics_export_port():
+    (cluster,) = _kuberay("kuberay-raycluster.yaml")
+    groups = [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
+    for group in groups:
+        port = group["rayStartParams"]["metrics-export-port"]
+        notes = group["template"]["metadata"]["annotations"]
+        assert notes["prometheus.io/scrape"] == "true" and notes["prometheus.io/port"] == port
+        (container,) = group["template"]["spec"]["containers"]
+        assert {"containerPort": int(port), "name": "metrics"} in container["ports"]
+    launcher = yaml.safe_dump(_launcher())
+    assert launcher.count("--metrics-export-port=8080") == 2

@@ -63,7 +63,10 @@ class ReplicaActor:
         dcp: int = 1,
         disaggregate: bool = False,
         placement_group=None,
+        metrics: dict | None = None,
     ):
+        """metrics: {"job", "replica"}: record the engine's metrics under these labels
+        (`k3batch.metrics`); None: none."""
         faulthandler.enable()  # a hard crash prints the Python stack of every thread
         t0 = time.perf_counter()
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -96,7 +99,12 @@ class ReplicaActor:
                 target=self._watch, args=(members,), daemon=True, name="watchdog"
             ).start()
         self.instance = uuid.uuid4().hex  # new at every (re)start of the actor
-        self.server = EngineServer(self.engine, self._finished, self._engine_failed)
+        on_step = None
+        if metrics:
+            from k3batch.metrics import ReplicaMetrics
+
+            on_step = ReplicaMetrics(self.engine, **metrics).step
+        self.server = EngineServer(self.engine, self._finished, self._engine_failed, on_step)
 
     # ---- failure ----------------------------------------------------------------------------
     def _fail(self, where: str, error: BaseException) -> None:

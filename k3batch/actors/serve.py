@@ -3,8 +3,9 @@
 `submit(items)` queues (key, prompt token ids, sampling) triples and returns at once; the
 thread adds them to the engine between steps and steps while anything is unfinished
 (continuous batching over everything submitted, whoever submitted it), calling
-`on_finished(key, result)` for each finished request. If the engine raises, the thread calls
-`on_failure(exception)` once and stops. Used by the job's replica actor (`replica.py`) and by
+`on_finished(key, result)` for each finished request and `on_step(prefill, seconds)` (optional)
+after each step (`Engine.last_step_prefill`). If the engine raises, the thread
+calls `on_failure(exception)` once and stops. Used by the job's replica actor (`replica.py`) and by
 the Ray Data replica (`k3batch.data`); what a caller does with results and failures is its own.
 """
 
@@ -14,8 +15,9 @@ import time
 
 
 class EngineServer:
-    def __init__(self, engine, on_finished, on_failure):
+    def __init__(self, engine, on_finished, on_failure, on_step=None):
         self.engine = engine
+        self._on_step = on_step
         self.busy_s = 0.0  # time inside engine steps
         self.rows = 0  # requests finished
         self._on_finished, self._on_failure = on_finished, on_failure
@@ -48,7 +50,10 @@ class EngineServer:
                     continue
                 t0 = time.perf_counter()
                 finished = self.engine.step()
-                self.busy_s += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self.busy_s += dt
+                if self._on_step is not None:
+                    self._on_step(self.engine.last_step_prefill, dt)
                 self.rows += len(finished)
                 for res in finished:
                     self._on_finished(owner.pop(res.request_id), res)

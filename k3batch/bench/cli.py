@@ -171,14 +171,18 @@ def bench_moe(flavor, tokens, layers, repeats, rounds, expert_dtype, sweep, save
 @click.option("--arena-gib", default=88.5, show_default=True, type=float,
               help="The device arena to account for (k3-slice on one H200: 88.5 GiB).")
 @click.option("--profile", is_flag=True, help="Also print the top functions (cProfile).")
+@click.option("--metrics", is_flag=True,
+              help="Record the replica's Prometheus metrics as a job does (a local Ray).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
-def bench_host(flavor, num_prompts, input_len, output_len, arena_gib, profile, json_path):
+def bench_host(flavor, num_prompts, input_len, output_len, arena_gib, profile, metrics,
+               json_path):  # fmt: skip
     """The engine's host time per prefill and decode step of a job's schedule, with a runner
     that computes nothing (no device needed)."""
     from k3batch.bench.host import host_replay
 
     row = host_replay(flavor, num_prompts=num_prompts, input_len=input_len,
-                      output_len=output_len, arena_gib=arena_gib, profile=profile)  # fmt: skip
+                      output_len=output_len, arena_gib=arena_gib, profile=profile,
+                      metrics=metrics)  # fmt: skip
     if profile:
         click.echo(row.pop("profile"))
     click.echo(json.dumps(row))

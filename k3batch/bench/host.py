@@ -56,8 +56,10 @@ class HostOnlyRunner:
 
 def host_replay(flavor: str = "k3-slice", *, num_prompts: int, input_len: int, output_len: int,
                 arena_gib: float, vocab_size: int = 4096, seed: int = 0,
-                profile: bool = False) -> dict:  # fmt: skip
-    """Host milliseconds per prefill and per decode step of the schedule (see module doc)."""
+                profile: bool = False, metrics: bool = False) -> dict:  # fmt: skip
+    """Host milliseconds per prefill and per decode step of the schedule (see module doc).
+    metrics: record the replica's metrics as the job's replica does (`k3batch.metrics`: a
+    histogram value per step, the sampling thread beside it), on a local Ray started here."""
     config = dataclasses.replace(get_flavor(flavor), vocab_size=vocab_size)
     engine_config = EngineConfig(max_seq_len=input_len + output_len + 1)
     runner = HostOnlyRunner(config, engine_config, int(arena_gib * 2**30))
@@ -67,6 +69,15 @@ def host_replay(flavor: str = "k3-slice", *, num_prompts: int, input_len: int, o
     for i in range(num_prompts):
         prompt = torch.randint(1, vocab_size, (input_len,), generator=gen).tolist()
         engine.add_request(str(i), prompt, sampling)
+    on_step = None
+    if metrics:
+        import ray
+
+        from k3batch.metrics import ReplicaMetrics
+
+        if not ray.is_initialized():
+            ray.init(address="local", num_cpus=1, include_dashboard=False)
+        on_step = ReplicaMetrics(engine, job="bench-host", replica="0").step
     spent = {"prefill": [0.0, 0], "decode": [0.0, 0]}
     prof = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
@@ -77,6 +88,8 @@ def host_replay(flavor: str = "k3-slice", *, num_prompts: int, input_len: int, o
             engine.waiting and len(engine.running) < engine.config.max_num_seqs)
         t = time.perf_counter()
         engine.step()
+        if on_step is not None:
+            on_step(engine.last_step_prefill, time.perf_counter() - t)
         kind = spent["prefill" if prefill else "decode"]
         kind[0] += time.perf_counter() - t
         kind[1] += 1
@@ -84,7 +97,7 @@ def host_replay(flavor: str = "k3-slice", *, num_prompts: int, input_len: int, o
         prof.disable()
     row = {"flavor": flavor, "num_prompts": num_prompts, "input_len": input_len,
            "output_len": output_len, "arena_gib": arena_gib,
-           "max_num_seqs": engine.config.max_num_seqs, "profiled": profile,
+           "max_num_seqs": engine.config.max_num_seqs, "profiled": profile, "metrics": metrics,
            "total_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
     for kind, (seconds, steps) in spent.items():
         row[f"{kind}_steps"] = steps

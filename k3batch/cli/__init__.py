@@ -127,6 +127,7 @@ def _run_options(fn):
         ("--logprobs/--no-logprobs", "output__logprobs"),
         ("--ignore-eos/--no-ignore-eos", "sampling__ignore_eos"),
         ("--prefix-cache/--no-prefix-cache", "engine__prefix_cache"),
+        ("--metrics/--no-metrics", "metrics"),
     ):
         fn = click.option(flag, field, default=None)(fn)
     return fn

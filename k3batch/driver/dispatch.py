@@ -35,8 +35,10 @@ TAKE_MAX_WAIT_S = 0.5  # how long a take_results call waits on the replica for a
 
 class Dispatcher:
     def __init__(self, replicas, health: Health, *, window: int, max_retries: int, report,
-                 reply_timeout_s: float = 300.0):  # fmt: skip
+                 reply_timeout_s: float = 300.0, metrics=None):  # fmt: skip
+        """metrics: the job's `k3batch.metrics.JobMetrics`, or None."""
         self.replicas, self.health, self.report = replicas, health, report
+        self.metrics = metrics
         self.window, self.max_retries, self.reply_timeout_s = window, max_retries, reply_timeout_s
         self.queue: deque = deque()  # (file, batch, row, attempt), RowWork
         self.inflight: list[dict] = [{} for _ in replicas]  # (file, batch, row) -> attempt, work
@@ -104,6 +106,7 @@ class Dispatcher:
             elif instance != self.instance[r]:
                 self._failed(r, RuntimeError("the replica restarted; its rows in flight are lost"))
                 return
+        done = len(self.done)
         for row in rows:
             f, b, i, attempt = row.pop("key")
             held = self.inflight[r].get((f, b, i))
@@ -113,6 +116,8 @@ class Dispatcher:
                 self.done.append(((f, b, i), row))
                 if e == self.epoch[r]:
                     self.health.progress(r)
+        if self.metrics is not None and len(self.done) > done:
+            self.metrics.rows_done(r, len(self.done) - done)
 
     def _failed(self, r: int, err: Exception) -> None:
         """Replica r failed: its rows are retried, or failed for good after max_retries."""
@@ -128,6 +133,8 @@ class Dispatcher:
             retry.append(((f, b, i, attempt + 1), w))
         self.queue.extendleft(reversed(retry))
         self.report.rows_retried += len(retry)
+        if self.metrics is not None:
+            self.metrics.rows_retried(len(retry))
         failure = self.health.failed(r, err)
         failure.keys = [(f, b, i) for (f, b, i, _), _ in retry]
         if failure.verdict == "own":

@@ -5,7 +5,8 @@ with one planted fault.
 A row "generates" its first `max_new_tokens` prompt tokens, reversed, and finishes
 `token_s * max_new_tokens` seconds after it was submitted (rows run concurrently, as under
 continuous batching), so `token_s = 0` is an instant replica and a per-row `max_new_tokens`
-makes a slow row; a row asking for log-probabilities gets -1.0 per output token. `stats_delay_s` makes `stats` answer late (a hung replica).
+makes a slow row; a row asking for log-probabilities gets -1.0 per output token.
+`stats_delay_s` makes `stats` answer late (a hung replica).
 """
 
 import asyncio

@@ -90,6 +90,7 @@ class Health:
         self.streak = [0] * n  # own failures since the replica last finished a row
         self.waiting: list[Failure] = []  # verdict "unknown"
         self.on_verdict = lambda failure: None  # the dispatcher accounts a late verdict's rows
+        self.metrics = None  # the job's `k3batch.metrics.JobMetrics`, when it has them
         self.failures = 0
         self.logged_at = 0.0  # last "no replica is up" warning
         self.table_at = 0.0  # last node-table read for waiting verdicts
@@ -123,6 +124,8 @@ class Health:
         if self.state[r] in ("up", "draining"):
             self.failures += 1
         f = judge(r, err, self.node[r])
+        if self.metrics is not None:
+            self.metrics.failure(r, f.verdict)
         if isinstance(err, ReplicaFailed):  # a live process that is broken: restart it
             ray.kill(self.replicas[r], no_restart=False)
         if f.verdict == "node":
@@ -205,9 +208,10 @@ class Health:
         for r, at in list(self.probe_at.items()):
             if now - self.down_since[r] > self.down_timeout_s:
                 del self.probe_at[r]
+                limit = self.down_timeout_s
                 self._dead(r, TimeoutError(
-                    f"gave up waiting for resources: down for more than {self.down_timeout_s:.0f} s "
-                    f"(replicas.wait_timeout_s = {self.down_timeout_s:g})"
+                    f"gave up waiting for resources: down for more than {limit:.0f} s "
+                    f"(replicas.wait_timeout_s = {limit:g})"
                 ))  # fmt: skip
             elif at <= now:
                 del self.probe_at[r]

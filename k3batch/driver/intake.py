@@ -2,8 +2,9 @@
 
 `Intake.open_next()` reads the next unit (skipping committed ones), gives its rows their ids
 (the id column, or "<file uri>:<row>" when the input has none), fails rows that could not be
-parsed (a malformed line, with its number) and rows with a null or a duplicate id at once (duplicates decided by `IdIndex`: the first occurrence in input order runs)
-and starts a tokenize task for the unit. `on_tokenized` turns the task's answer into the rows to
+parsed (a malformed line, with its number) and rows with a null or a duplicate id at once
+(duplicates decided by `IdIndex`: the first occurrence in input order runs) and starts a
+tokenize task for the unit. `on_tokenized` turns the task's answer into the rows to
 dispatch; a row the tokenizer rejects, or every row of a unit whose task failed, gets an error.
 Driver memory holds only open units: the caller bounds how many are open.
 """

@@ -28,6 +28,7 @@ from k3batch.driver.replicas import ReplicaPool
 from k3batch.io import OutputLease, ShardSink, iter_units, open_manifest, record_inputs
 from k3batch.io import resolve_input
 from k3batch.driver.jobspec import JobSpec
+from k3batch.metrics import JobMetrics
 from k3batch.model.config import K3Config
 from k3batch.driver.report import REPORT_NAME, JobReport, Progress
 
@@ -68,7 +69,7 @@ def run_job(spec: JobSpec, *, progress_stream=None, replica_cls=ReplicaActor,
 
 def _prepare(spec: JobSpec, sink: ShardSink):
     """Survey, manifest, report and id index of this run."""
-    fs, listed = resolve_input(spec.input.path)
+    fs, listed = resolve_input(spec.input.path, format=spec.input.format)
     survey = survey_inputs(fs, listed, spec.input)  # raises if no file is valid
     fingerprint, desc = spec.fingerprint()
     manifest, files = open_manifest(
@@ -130,13 +131,15 @@ def _run(spec, sink, lease, report, ctx, progress_stream, replica_cls, replica_k
                            t0=t_start)  # fmt: skip
         intake = Intake(spec, config.vocab_size, ctx["units"], ctx["ids"], report)
         window = spec.inflight_rows
+        metrics = JobMetrics(spec.name) if spec.metrics else None
+        pool.health.metrics = metrics
         dispatch = Dispatcher(pool.actors, pool.health, window=window, max_retries=r.max_retries,
-                              report=report)  # fmt: skip
+                              report=report, metrics=metrics)  # fmt: skip
         commit = Committer(spec, sink, intake.add_id, report, lease)
         progress = Progress(report.rows_total, report.rows_skipped_resumed, progress_stream)
         max_open = 1 + -(-r.max_replicas * window // ctx["batch_rows"])
         loop = Loop(intake, dispatch, pool, commit, max_open=max_open, progress=progress,
-                    report=report)  # fmt: skip
+                    report=report, metrics=metrics)  # fmt: skip
         loop.fill()  # the first units read and tokenized while the replicas start
         if loop.open or not intake.exhausted:  # else every unit was committed already (a rerun)
             pool.start()

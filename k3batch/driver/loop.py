@@ -20,9 +20,11 @@ WAIT_S = 1.0
 
 class Loop:
     def __init__(self, intake: Intake, dispatch: Dispatcher, pool: ReplicaPool, commit: Committer,
-                 *, max_open: int, progress, report):  # fmt: skip
+                 *, max_open: int, progress, report, metrics=None):  # fmt: skip
+        """metrics: the job's `k3batch.metrics.JobMetrics`, or None."""
         self.intake, self.dispatch, self.pool, self.commit = intake, dispatch, pool, commit
         self.max_open, self.progress, self.report = max_open, progress, report
+        self.metrics = metrics
         self.open: dict[tuple[int, int], OpenUnit] = {}
 
     def run(self) -> None:
@@ -50,6 +52,8 @@ class Loop:
             self._finish(self.dispatch.take_done())
             self.report.replica_failures = self.pool.health.failures
             self.progress.update(self._done_rows(), self.report.output_tokens)
+            if self.metrics is not None:
+                self.metrics.loop(len(self.open), self.pool.health.state)
         self.progress.update(self._done_rows(), self.report.output_tokens, final=True)
 
     def fill(self) -> None:
@@ -75,6 +79,8 @@ class Loop:
             return  # still tokenizing: rows not known yet
         if self.commit.maybe_commit(state):
             del self.open[state.key]
+            if self.metrics is not None:
+                self.metrics.commit(state.results)
 
     def _done_rows(self) -> int:
         return self.report.rows_skipped_resumed + self.report.rows_written

@@ -223,6 +223,8 @@ class ReplicaPool:
             dcp=r.dcp,
             disaggregate=r.disaggregate,
             placement_group=None if single else self.groups[i],
+            **({"metrics": {"job": self.spec.name, "replica": str(i)}} if self.spec.metrics
+               else {}),  # fmt: skip
             **self.replica_kw,
         )
 

@@ -85,6 +85,7 @@ class Engine:
         self.stop_check = stop_check
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.last_step_prefill = False
         self._seeds: dict[str, int] = {}  # request -> its seed (drawn when none is given)
         # prompt prefixes that a running prefill will checkpoint -> that request (see _admit)
         self._pending: dict[tuple[int, ...], str] = {}
@@ -175,9 +176,11 @@ class Engine:
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[GenerationResult]:
+        """One step; `last_step_prefill` then says whether it ran prompt chunks."""
         self._admit()
         if self.decode_runner is None:  # one set of devices: prefill first, then decode
             prefill = [r for r in self.running if r.phase is Phase.PREFILL]
+            self.last_step_prefill = bool(prefill)
             if prefill:
                 self._take_inflight()
                 self._finish_prefills(self._submit_prefills(prefill, self.runner.depth))
@@ -187,6 +190,7 @@ class Engine:
                 self._take_inflight()
         else:  # disaggregated: prefill batches in flight across steps, a decode step each step
             prefill = [r for r in self.running if r.phase is Phase.PREFILL]
+            self.last_step_prefill = bool(prefill or self._prefilling)
             free = self.runner.depth - len(self._prefilling)
             self._prefilling.extend(self._submit_prefills(prefill, free))
             if decoding := self._make_room(self.decode_pool):

@@ -9,12 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import k3batch.driver.job as job_mod
 from k3batch.driver import run_job
 from k3batch.driver.fake import FakeReplica
 from k3batch.engine.request import SamplingParams
-from k3batch.io import ShardSink, resolve_input
 from k3batch.driver.jobspec import EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaSpec
+from k3batch.io import ShardSink
 
 GOOD = [f"good prompt {i}" for i in range(5)]
 
@@ -31,11 +30,7 @@ def _spec(model_dir, inp, out, *, fmt="auto", out_fmt="parquet", merge=False) ->
     )
 
 
-def _run(spec, monkeypatch, replica_cls=FakeReplica):
-    # TODO: run_job passes spec.input.format to resolve_input once driver/job.py does (the
-    # lead's file); until then the test hands it over.
-    monkeypatch.setattr(job_mod, "resolve_input",
-                        lambda path: resolve_input(path, format=spec.input.format))  # fmt: skip
+def _run(spec, replica_cls=FakeReplica):
     return run_job(spec, replica_cls=replica_cls)
 
 
@@ -71,7 +66,7 @@ def _write_arrow(d):
 
 @pytest.mark.parametrize("kind", ["jsonl", "csv", "arrow", "openai"])
 def test_input_format_mixed_folder_every_good_row_once_and_resume(
-    cluster, mini_model_dir, tmp_path, monkeypatch, kind
+    cluster, mini_model_dir, tmp_path, kind
 ):
     inp, out = tmp_path / "in", tmp_path / "out"
     inp.mkdir()
@@ -79,7 +74,7 @@ def test_input_format_mixed_folder_every_good_row_once_and_resume(
               "openai": lambda d: _write_jsonl(d, openai=True)}[kind]  # fmt: skip
     bad_lines = writer(inp)
     spec = _spec(mini_model_dir, inp, out, fmt="openai" if kind == "openai" else "auto")
-    report = _run(spec, monkeypatch)
+    report = _run(spec)
     assert len(report.unreadable_inputs) == 1, report.unreadable_inputs
     rows = pq.read_table(out).to_pylist()
     good = [r for r in rows if r["error"] is None]
@@ -96,17 +91,17 @@ def test_input_format_mixed_folder_every_good_row_once_and_resume(
     lost = sorted(sink.committed())[1::2]
     for f, b in lost:
         (out / f"part-f{f:05d}-b{b:06d}.parquet").unlink()
-    again = _run(spec, monkeypatch)
+    again = _run(spec)
     assert again.rows_skipped_resumed + again.rows_written == len(rows)
     assert pq.read_table(out).to_pylist() == rows  # the same rows, in the same shards
 
 
-def test_hf_folder_input(cluster, mini_model_dir, tmp_path, monkeypatch):
+def test_hf_folder_input(cluster, mini_model_dir, tmp_path):
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"id": [f"g{i}" for i in range(5)], "prompt": GOOD}).save_to_disk(
         str(tmp_path / "ds"), num_shards=2
     )
-    _run(_spec(mini_model_dir, tmp_path / "ds", tmp_path / "out"), monkeypatch)
+    _run(_spec(mini_model_dir, tmp_path / "ds", tmp_path / "out"))
     rows = pq.read_table(tmp_path / "out").to_pylist()
     assert sorted(r["id"] for r in rows) == [f"g{i}" for i in range(5)]
     assert all(r["error"] is None for r in rows)
@@ -114,7 +109,7 @@ def test_hf_folder_input(cluster, mini_model_dir, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("out_fmt", ["parquet", "jsonl", "openai"])
 def test_output_format_shards_and_merge_once_complete(
-    cluster, mini_model_dir, tmp_path, monkeypatch, out_fmt
+    cluster, mini_model_dir, tmp_path, out_fmt
 ):
     inp, out = tmp_path / "in", tmp_path / "out"
     inp.mkdir()
@@ -122,7 +117,7 @@ def test_output_format_shards_and_merge_once_complete(
     (inp / "c.jsonl.gz").unlink()  # a complete job: every file readable
     spec = _spec(mini_model_dir, inp, out, fmt="openai" if out_fmt == "openai" else "auto",
                  out_fmt=out_fmt, merge=True)  # fmt: skip
-    report = _run(spec, monkeypatch)
+    report = _run(spec)
     assert report.missing == []
     ext = "parquet" if out_fmt == "parquet" else "jsonl"
     shards = sorted(p.name for p in out.glob(f"part-*.{ext}"))
@@ -140,16 +135,16 @@ def test_output_format_shards_and_merge_once_complete(
     assert [r[key] for r in first] == ["g0", None, "g1", "g2", "g3", None, "g4"]
     # Killed after the last shard, before the merge: the rerun merges, from all shards.
     merged.unlink()
-    _run(spec, monkeypatch)
+    _run(spec)
     assert [r[key] for r in merged_rows()] == [r[key] for r in first]
     # Killed with a shard lost: the rerun commits it and merges again.
     (out / shards[0]).unlink()
-    _run(spec, monkeypatch)
+    _run(spec)
     assert [r[key] for r in merged_rows()] == [r[key] for r in first]
 
 
 def test_openai_round_trip_every_row_kind_parses_as_openai_types(
-    cluster, mini_model_dir, tmp_path, monkeypatch
+    cluster, mini_model_dir, tmp_path
 ):
     types = pytest.importorskip("openai.types")
     from openai.types.chat import ChatCompletion
@@ -172,7 +167,7 @@ def test_openai_round_trip_every_row_kind_parses_as_openai_types(
     inp.write_text("\n".join(json.dumps(x) for x in lines) + "\n{oops\n")
     spec = _spec(mini_model_dir, inp, tmp_path / "out", fmt="openai", out_fmt="openai",
                  merge=True)  # fmt: skip
-    _run(spec, monkeypatch)
+    _run(spec)
     got = [json.loads(x) for x in (tmp_path / "out" / "_merged.jsonl").read_text().splitlines()]
     assert [g["custom_id"] for g in got] == [x["custom_id"] for x in lines] + [None]
     by_id = {g["custom_id"]: g for g in got}
@@ -201,7 +196,7 @@ def test_openai_round_trip_every_row_kind_parses_as_openai_types(
 
 
 def test_same_prompts_in_every_format_give_identical_tokens(
-    cluster, mini_model_dir, tmp_path, monkeypatch
+    cluster, mini_model_dir, tmp_path
 ):
     """The real replica (k3-mini, greedy): Parquet, JSONL, CSV and OpenAI completions input of
     the same prompts give the same output tokens per id."""
@@ -225,8 +220,6 @@ def test_same_prompts_in_every_format_give_identical_tokens(
                      fmt="openai" if kind == "openai" else "auto")  # fmt: skip
         spec = spec.__class__(**{**{f: getattr(spec, f) for f in spec.__dataclass_fields__},
                                  "sampling": SamplingParams(temperature=0, max_new_tokens=4)})
-        monkeypatch.setattr(job_mod, "resolve_input",
-                            lambda path, f=spec.input.format: resolve_input(path, format=f))
         run_job(spec)
         rows = pq.read_table(tmp_path / f"out-{kind}").to_pylist()
         assert all(r["error"] is None for r in rows), rows
