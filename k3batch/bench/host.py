@@ -79,6 +79,7 @@ def host_replay(flavor: str = "k3-slice", *, num_prompts: int, input_len: int, o
             ray.init(address="local", num_cpus=1, include_dashboard=False)
         on_step = ReplicaMetrics(engine, job="bench-host", replica="0").step
     spent = {"prefill": [0.0, 0], "decode": [0.0, 0]}
+    metrics_s = 0.0  # inside the metrics' call of each step
     prof = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
     if prof:
@@ -89,7 +90,9 @@ def host_replay(flavor: str = "k3-slice", *, num_prompts: int, input_len: int, o
         t = time.perf_counter()
         engine.step()
         if on_step is not None:
-            on_step(engine.last_step_prefill, time.perf_counter() - t)
+            t_metrics = time.perf_counter()
+            on_step(engine.last_step_prefill, t_metrics - t)
+            metrics_s += time.perf_counter() - t_metrics
         kind = spent["prefill" if prefill else "decode"]
         kind[0] += time.perf_counter() - t
         kind[1] += 1
@@ -102,6 +105,9 @@ def host_replay(flavor: str = "k3-slice", *, num_prompts: int, input_len: int, o
     for kind, (seconds, steps) in spent.items():
         row[f"{kind}_steps"] = steps
         row[f"{kind}_host_ms_per_step"] = round(1000 * seconds / max(steps, 1), 2)
+    if metrics:
+        steps = sum(n for _, n in spent.values())
+        row["metrics_us_per_step"] = round(1e6 * metrics_s / max(steps, 1), 2)
     row["cache"] = dataclasses.asdict(engine.pool.stats)
     if prof:
         out = io.StringIO()
