@@ -159,14 +159,9 @@ def test_pipeline_whose_replica_crashes_every_time_fails_not_hangs(cluster, mini
 
 def test_pipeline_over_a_truncated_checkpoint_fails_with_the_shard_error(cluster, mini_model_dir,
                                                                           tmp_path):  # fmt: skip
-    from pathlib import Path
+    from k3batch.testing import truncated_checkpoint
 
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    for f in Path(mini_model_dir).iterdir():
-        (ckpt / f.name).write_bytes(f.read_bytes())
-    shard = max(ckpt.glob("*.safetensors"), key=lambda p: p.stat().st_size)
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    ckpt = truncated_checkpoint(mini_model_dir, tmp_path / "ckpt")
     ds = ray.data.from_arrow(_table().slice(0, 2))
     err = _bounded(lambda: generate(ds, model=str(ckpt), sampling=GREEDY, engine=ENGINE,
                                     device="cpu").materialize())  # fmt: skip

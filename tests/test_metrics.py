@@ -22,8 +22,8 @@ import ray
 
 from k3batch.driver import run_job
 from k3batch.driver.fake import FaultyReplica
-from k3batch.engine.request import SamplingParams
 from k3batch.driver.jobspec import EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaSpec
+from k3batch.engine.request import SamplingParams
 from k3batch.metrics import STATES
 
 SETTLE_S = 30  # for the last values to reach the endpoint after a job

@@ -214,3 +214,14 @@ def slot_batch(cache, seq_lens, cached_lens, slots, **kw):
 def slot_tensors(cache, slot: int, num_tokens: int) -> dict:
     """A slot's request tensors (see `PagedCache.request_tensors`)."""
     return cache.request_tensors(slot, slot_pages(cache, slot), num_tokens)
+
+
+def truncated_checkpoint(src: str, dst: Path) -> Path:
+    """A copy of the checkpoint folder `src` at `dst` whose largest safetensors shard is cut to
+    half its bytes, as a broken download leaves it (the fault tests' bad checkpoint)."""
+    dst.mkdir(parents=True)
+    for f in Path(src).iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    shard = max(dst.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return dst

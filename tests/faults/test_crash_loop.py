@@ -21,9 +21,10 @@ import pytest
 from k3batch.driver import run_job
 from k3batch.driver.fake import FaultyReplica
 from k3batch.driver.health import CrashLoopError
+from k3batch.driver.jobspec import EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaSpec
 from k3batch.engine.request import SamplingParams
 from k3batch.io import shard_name
-from k3batch.driver.jobspec import EngineConfig, InputSpec, JobSpec, OutputSpec, ReplicaSpec
+from k3batch.testing import truncated_checkpoint
 
 END_S = 240  # every job here ends well within this (a few replica starts on a 2-core machine)
 FAILURES = 2  # replicas.max_consecutive_failures of these jobs
@@ -110,12 +111,7 @@ def test_truncated_checkpoint_shard_ends_the_job_naming_the_shard_error(mini_mod
                                                                        tmp_path):  # fmt: skip
     """A real fault, through the command line: the largest shard cut short, as a broken
     download leaves it. Exit status 1, the safetensors error printed by the driver."""
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    for f in Path(mini_model_dir).iterdir():
-        (ckpt / f.name).write_bytes(f.read_bytes())
-    shard = max(ckpt.glob("*.safetensors"), key=lambda p: p.stat().st_size)
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    ckpt = truncated_checkpoint(mini_model_dir, tmp_path / "ckpt")
     spec = _spec(str(ckpt), tmp_path, "truncated")
     job = tmp_path / "job.toml"
     job.write_text(f"""
