@@ -21,6 +21,13 @@ K3_SLICE = {
     "T1-decode": (1, 3584, 3072, 112, 2, 0, 112),
     "T8192-ep2-rank1": (8192, 3584, 3072, 112, 2, 56, 56),
 }
+# Kimi Linear 48B-A3B (issue 54): D 2,304, expert width 1,024, 256 experts, top-8, SwiGLU; at an
+# 8K chunk ~256 rows an expert
+KIMI_LINEAR = {
+    "kimi-T8192-prefill": (8192, 2304, 1024, 256, 8, 0, 256),
+    "kimi-T64-decode": (64, 2304, 1024, 256, 8, 0, 256),
+    "kimi-T1-decode": (1, 2304, 1024, 256, 8, 0, 256),
+}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -42,13 +49,13 @@ def inputs(shape, dtype, device, seed=0):
     return x.to(dtype), w13.to(dtype), w2.to(dtype), ids, w
 
 
-def check_experts(shape, dtype, device, use_triton, gemm_impl="torch", mxfp4=False):
+def check_experts(shape, dtype, device, use_triton, gemm_impl="torch", mxfp4=False, act="situ"):
     """The whole pass against the fp32 reference; mxfp4: the weights quantized, the pass fed
     them packed (W4A16 with use_triton and gemm_impl "auto" or "triton"), the reference their
-    dequantized values."""
+    dequantized values; act: "situ" (K3) or "silu" (Kimi Linear's SwiGLU)."""
     x, w13, w2, ids, w = inputs(shape, dtype, device)
     first = shape[5]
-    kw = dict(act="situ", beta=4.0, linear_beta=25.0, first_expert=first)
+    kw = dict(act=act, beta=4.0, linear_beta=25.0, first_expert=first)
     if mxfp4:
         from k3kernels.moe.mxfp4 import MXFP4Weight, quantize_mxfp4
 

@@ -149,7 +149,7 @@ K3_LENS = [1, 63, 64, 65, 1000, 4097, 2500, 7]  # ragged, page edges, one long
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("splits", [1, 4])
-@pytest.mark.parametrize("H", [96, 16], ids=["H96", "H16-tp6"])
+@pytest.mark.parametrize("H", [96, 16, 32], ids=["H96", "H16-tp6", "H32-kimi-linear"])
 @pytest.mark.parametrize("_", [pytest.param(0, marks=gpu)], ids=["gpu"])
 def test_mla_decode_k3_shapes(_, H, splits, dtype):
     (o, lse), (o_ref, lse_ref) = _decode_case(K3_LENS, H, 512, 64, 64, dtype, 1, splits)

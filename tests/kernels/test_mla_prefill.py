@@ -117,3 +117,13 @@ gpu = [pytest.mark.gpu, pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA"
 def test_mla_prefill_k3_shapes(new, cached, dtype):
     o, o_ref = _prefill_case(new, cached, 96, 128, 64, 128, 512, dtype, 1)
     _check(dtype, o_ref, o)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("_", [pytest.param(0, marks=gpu)], ids=["gpu"])
+def test_mla_prefill_kimi_linear_shapes(_, dtype):
+    """Issue 54: Kimi Linear's MLA (32 heads, the same head widths as K3), one 8K prompt and a
+    ragged batch with prefixes."""
+    for new, cached in [([8192], [0]), ([1024, 333, 1, 2048], [3000, 77, 500, 0])]:
+        o, o_ref = _prefill_case(new, cached, 32, 128, 64, 128, 512, dtype, 1)
+        _check(dtype, o_ref, o)

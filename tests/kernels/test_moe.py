@@ -24,7 +24,7 @@ from k3kernels.moe.experts import fused_experts
 from k3kernels.moe.grouped_gemm import grouped_mm, grouped_mm_loop
 from k3kernels.moe.permute import sort_slots
 
-from moe_inputs import DTYPES, K3_SLICE, TINY, check_experts, inputs
+from moe_inputs import DTYPES, K3_SLICE, KIMI_LINEAR, TINY, check_experts, inputs
 
 from k3batch.testing import assert_close
 
@@ -278,6 +278,20 @@ def _interpreted_checks():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_experts_matches_reference_gpu(shape, dtype):
     check_experts(shape, dtype, "cuda", use_triton=True)
+
+
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16-experts", "mxfp4-experts"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", KIMI_LINEAR.values(), ids=KIMI_LINEAR.keys())
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_experts_kimi_linear_shapes_gpu(shape, dtype, mxfp4):
+    """Issue 54: Kimi Linear's routed experts (SwiGLU, 256 of width 1,024, top-8) through the
+    kernels the model picks, bf16 and MXFP4-packed, against the fp32 reference."""
+    if mxfp4 and dtype == torch.float32:
+        pytest.skip("W4A16 multiplies bf16 rows")
+    check_experts(shape, dtype, "cuda", use_triton=True, gemm_impl="auto", mxfp4=mxfp4,
+                  act="silu")  # fmt: skip
 
 
 @pytest.mark.gpu
