@@ -234,7 +234,9 @@ class ReplicaPool:
             answer = ray.get(ref, timeout=STATS_TIMEOUT_S)
         except (ray.exceptions.RayError, TimeoutError) as e:
             log.error("replica %d failed to start", i)
-            self.health.failed(i, e)  # rebuilt, restarted or moved; a crash loop stops the job
+            f = self.health.failed(i, e)  # rebuilt, restarted or moved; a crash loop stops the job
+            if f.verdict == "node" and self.health.state[i] == "pending":
+                self.health.state[i] = "moved"  # its node went away while it started
             return
         self.health.start(i, answer.get("node_id"))
         log.info("replica %d up (%d up)", i, len(self.health.up()))

@@ -187,3 +187,22 @@ def test_startup_notice_says_whether_replicas_are_starting_or_unplaced(monkeypat
     notice = replicas.ReplicaPool._startup_notice(pool, 1, 60, 600)
     assert "1 waiting for resources" in notice and "[{'GPU': 1}] (STRICT_PACK)" in notice
     assert "free: {'GPU': 0}" in notice
+
+
+def test_a_replica_whose_node_dies_while_it_starts_is_moved(monkeypatch):
+    """Its start fails with its node's death: the slot is moved (a new group elsewhere), not
+    left pending with nothing placed or starting."""
+    from types import SimpleNamespace
+
+    from k3batch.driver import replicas
+
+    monkeypatch.setattr(health_mod, "node_table", _table({"n0": True}))
+    health = Health([_Replica()], down_timeout_s=60.0)
+
+    def dead(ref, timeout=None):
+        raise _died(NODE_DIED + "terminated unexpectedly", NodeDeathInfo.UNEXPECTED_TERMINATION)
+
+    monkeypatch.setattr(ray, "get", dead)
+    pool = SimpleNamespace(starting={"ref": (0, 0.0)}, health=health)
+    replicas.ReplicaPool._started(pool, "ref")
+    assert health.state[0] == "moved" and health.streak[0] == 0
