@@ -77,6 +77,7 @@ class JobMetrics:
         self.replicas = Gauge("k3batch_replicas", "replicas in each state", ("job", "state"))
         self.failures = Counter("k3batch_replica_failures", "replica failures, by verdict",
                                 ("job", "replica", "verdict"))  # fmt: skip
+        self.gauges_at = 0.0  # when `loop` last set the gauges
 
     def commit(self, results: list[dict]) -> None:
         """A unit's rows were written."""
@@ -102,7 +103,12 @@ class JobMetrics:
         self.failures.inc(1, self.tags | {"replica": str(replica), "verdict": verdict})
 
     def loop(self, units_open: int, states: list[str]) -> None:
-        """Once a turn of the driver's loop: the gauges."""
+        """Each turn of the driver's loop: the gauges, set at most every SAMPLE_EVERY_S (a Ray
+        metric call costs microseconds; a busy loop turns far more often)."""
+        now = time.monotonic()
+        if now - self.gauges_at < SAMPLE_EVERY_S:
+            return
+        self.gauges_at = now
         self.units_open.set(units_open, self.tags)
         for state in STATES:
             self.replicas.set(states.count(state), self.tags | {"state": state})

@@ -85,7 +85,7 @@ class Engine:
         self.stop_check = stop_check
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.last_step_prefill = False
+        self.last_step_prefill = False  # whether the last step ran prompt chunks
         self._seeds: dict[str, int] = {}  # request -> its seed (drawn when none is given)
         # prompt prefixes that a running prefill will checkpoint -> that request (see _admit)
         self._pending: dict[tuple[int, ...], str] = {}
@@ -176,7 +176,6 @@ class Engine:
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[GenerationResult]:
-        """One step; `last_step_prefill` then says whether it ran prompt chunks."""
         self._admit()
         if self.decode_runner is None:  # one set of devices: prefill first, then decode
             prefill = [r for r in self.running if r.phase is Phase.PREFILL]
