@@ -1,12 +1,13 @@
 """`k3batch bench host`: the engine's host side alone. The job's schedule (prompts of one
 length, greedy, a fixed number of new tokens) runs through a real `Engine` whose runner
-computes nothing: it keeps the accounting of a device arena of the given size (admission,
-prefix cache and checkpoints, eviction, page tables, the overlapped decode's bookkeeping) and
-returns zero logits. The time per step is what the host adds to each step; the device hides
-it while the host's part is the shorter (the overlapped decode; prefill steps queued ahead),
-and bounds the step when it is not. Zero logits of a small vocabulary (`vocab_size`) keep the
-CPU's sampling out of the figures. With `profile`, the top functions by cumulative time
-(cProfile, which slows the host ~2x)."""
+computes nothing (`sim.clock.SimRunner` at zero cost: a GPU's single-device runner with CUDA
+graphs): it keeps the accounting of a device arena of the given size (admission, prefix cache
+and checkpoints, eviction, page tables, the overlapped decode's bookkeeping) and returns zero
+logits. The time per step is what the host adds to each step; the device hides it while the
+host's part is the shorter (the overlapped decode; prefill steps queued ahead), and bounds the
+step when it is not (`sim.clock.HostCost` takes these figures). Zero logits of a small
+vocabulary (`vocab_size`) keep the CPU's sampling out of the figures. With `profile`, the top
+functions by cumulative time (cProfile, which slows the host ~2x)."""
 
 import cProfile
 import dataclasses
@@ -16,42 +17,11 @@ import time
 
 import torch
 
-from k3batch.cache.layout import CacheLayout
-from k3batch.cache.paged import PagedCache
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.engine import Engine
 from k3batch.engine.request import Phase, SamplingParams
-from k3batch.engine.runner import sized
 from k3batch.model import get_flavor
-
-
-class HostOnlyRunner:
-    """A single-device runner (CUDA graphs' padded decode, fed tokens) that computes nothing."""
-
-    depth, dcp_size, feeds_tokens, pads_decode = 1, 1, True, True
-
-    def __init__(self, model_config, engine_config: EngineConfig, arena_bytes: int):
-        self.config = model_config
-        layers = range(model_config.num_hidden_layers)
-        layout = CacheLayout.build(model_config, layers, page_size=engine_config.page_size,
-                                   dtype_bytes=2)  # fmt: skip
-        # The bf16 arena on the meta device (no memory); as `LocalRunner` sizes it, less one
-        # request's room for the padded decode's scratch rows.
-        self.cache = PagedCache(layout, arena_bytes, device="meta", dtype=torch.bfloat16)
-        fit = self.cache.total_bytes // layout.request_bytes(engine_config.max_seq_len) - 1
-        self.engine_config = sized(engine_config, cuda=True, seqs_fit=fit)
-
-    def cache_specs(self):
-        return [self.cache.spec]
-
-    def apply(self, moves):
-        pass
-
-    def submit(self, ids, batch, all_logits, feed=None):
-        return torch.zeros(len(batch.seq_lens), self.config.vocab_size)
-
-    def wait(self, handle):
-        return handle
+from k3batch.sim.clock import SimRunner
 
 
 def host_replay(flavor: str = "k3-slice", *, num_prompts: int, input_len: int, output_len: int,
@@ -62,7 +32,8 @@ def host_replay(flavor: str = "k3-slice", *, num_prompts: int, input_len: int, o
     histogram value per step, the sampling thread beside it), on a local Ray started here."""
     config = dataclasses.replace(get_flavor(flavor), vocab_size=vocab_size)
     engine_config = EngineConfig(max_seq_len=input_len + output_len + 1)
-    runner = HostOnlyRunner(config, engine_config, int(arena_gib * 2**30))
+    runner = SimRunner(config, engine_config, lambda batch: 0.0,
+                       arena_bytes=int(arena_gib * 2**30), vocab_size=vocab_size)  # fmt: skip
     engine = Engine(None, runner=runner)
     gen = torch.Generator().manual_seed(seed)
     sampling = SamplingParams(temperature=0, max_new_tokens=output_len, ignore_eos=True)
