@@ -101,6 +101,7 @@ class LinkCost:
                  first_gpu: int = 0, dtype_bytes: int = 2):  # fmt: skip
         self.config, self.cluster, self.layer_ranges = config, cluster, list(layer_ranges)
         self.tp, self.dcp, self.first_gpu, self.dtype_bytes = tp, dcp, first_gpu, dtype_bytes
+        self._handoff: dict[tuple[int, int], list[int]] = {}  # (stage, tokens) -> bytes per rank
 
     def stream_s(self, stage: int, batch: ForwardBatch) -> float:
         """Stage `stage` sending the stream of `batch` to the next stage."""
@@ -110,11 +111,17 @@ class LinkCost:
         return comm.p2p_s(nbytes, self.cluster.p2p_link(g, g + 1))
 
     def handoff_bytes(self, stage: int, num_tokens: int) -> list[int]:
-        """What stage `stage` sends each decode rank of one request of num_tokens tokens."""
-        layers = range(*self.layer_ranges[stage])
-        return [comm.handoff_bytes(self.config, num_tokens, layers, tp=self.tp, dcp=self.dcp,
-                                   dcp_rank=r % self.dcp, dtype_bytes=self.dtype_bytes)
-                for r in range(self.tp)]  # fmt: skip
+        """What stage `stage` sends each decode rank of one request of num_tokens tokens (the
+        ranks of one DCP rank receive alike)."""
+        key = stage, num_tokens
+        if key not in self._handoff:
+            layers = range(*self.layer_ranges[stage])
+            per_dcp_rank = [comm.handoff_bytes(self.config, num_tokens, layers, tp=self.tp,
+                                               dcp=self.dcp, dcp_rank=d,
+                                               dtype_bytes=self.dtype_bytes)
+                            for d in range(self.dcp)]  # fmt: skip
+            self._handoff[key] = [per_dcp_rank[r % self.dcp] for r in range(self.tp)]
+        return self._handoff[key]
 
     def handoff_s(self, stage: int, num_tokens: int) -> float:
         """Stage `stage` sending its layers of one request to every decode rank, one send after
