@@ -19,7 +19,8 @@ Exposed communication per 1K prompt tokens:
       1K tokens of that chunk. The receive waits the stages measured (transfer + waiting for
       the stage before, the pipeline fill included) are reported beside it.
   Bytes moved per 1K tokens by each layout are computed (per rank: 2(N-1)/N of each
-  all-reduced [T, D] for TP, ring algorithm; [bank + 1, T, D] per boundary for PP).
+  all-reduced tensor for TP, ring algorithm; [bank + 1, T, D] per boundary for PP; the sizes
+  are `k3batch.sim.comm`'s).
 Decode: `decode_batch` requests with `context_len` cached tokens (the cache holds zeros: speed
   only), `decode_steps` steps, for TP-N and TP-N + DCP-N; logical capacity is the planner's
   formula (`plan.capacity_tokens`) on the memory each GPU has left after weights and the
@@ -48,6 +49,7 @@ from k3batch.parallel.layout import ParallelLayout, split_layers
 from k3batch.parallel.pipeline import bank_size, pack_stream, unpack_stream
 from k3batch.parallel.tp import build_rank_model
 from k3batch.parallel.plan import DEFAULT_RESERVE_BYTES, capacity_tokens
+from k3batch.sim.comm import boundary_stream_bytes, tp_all_reduce_bytes
 
 PAGE_SIZE = 64
 
@@ -66,16 +68,14 @@ class LayoutBench:
 
 
 def comm_bytes_per_1k(config, num_devices: int, dtype_bytes: int = 2) -> dict:
-    """Bytes each layout moves per 1K prompt tokens: TP-N, per rank, 2 ring all-reduces of
-    [T, D] per layer at 2(N-1)/N each; PP-N, at the widest stage boundary (the slowest
-    transfer sets the pace), the stream [bank + 1, T, D]."""
-    N, D, L = num_devices, config.hidden_size, config.num_hidden_layers
-    ranges = split_layers(L, N, config.attn_res_block_size)
-    rows = max(bank_size(first, config.attn_res_block_size) + 1 for first, _ in ranges[1:]) \
-        if N > 1 else 0  # fmt: skip
+    """Bytes each layout moves per 1K prompt tokens, from the volumes of `k3batch.sim.comm`:
+    TP-N, per rank, 2(N-1)/N of every ring all-reduce of a forward (two per layer: the
+    attention's [T, D] and the FFN's, a MoE layer's fp32 [T, Din + D]); PP-N, at the widest
+    stage boundary (the slowest transfer sets the pace), the stream [bank + 1, T, D]."""
+    N, L = num_devices, config.num_hidden_layers
     return {
-        "tp": int(2 * L * 1000 * D * dtype_bytes * 2 * (N - 1) / N),
-        "pp": rows * 1000 * D * dtype_bytes,
+        "tp": int(tp_all_reduce_bytes(config, range(L), 1000, dtype_bytes) * 2 * (N - 1) / N),
+        "pp": max(boundary_stream_bytes(config, N, 1000, dtype_bytes), default=0),
         "tp_all_reduces": 2 * L,  # per chunk of prompt tokens
     }
 

@@ -20,11 +20,10 @@ def test_layout_bench_runs_on_two_cpu_processes():
         ("prefill", "tp2", 24), ("decode", "tp2", None), ("decode", "tp2-dcp2", None),
     ]  # fmt: skip
     assert all(r["tokens_per_s"] > 0 for r in rows)
-    D, L = 64, 93  # k3-debug hidden size and layers; fp32 on CPU
+    D, L, Din = 64, 93, 32  # k3-debug hidden size, layers, expert width; fp32 on CPU
     tp = next(r for r in rows if r["layout"] == "tp2")
-    assert (
-        tp["comm_bytes_per_1k"] == 2 * L * 1000 * D * 4
-    )  # 2 all-reduces / layer, ring 2(N-1)/N = 1
+    # per layer: attention [T, D]; FFN: layer 0 dense [T, D], MoE [T, Din + D] fp32; 2(N-1)/N = 1
+    assert tp["comm_bytes_per_1k"] == 1000 * (L * D + D + (L - 1) * (Din + D)) * 4
     pp = next(r for r in rows if r["layout"] == "pp2")
     stage2_first = 48  # split_layers(93, 2, 12): (0, 48), (48, 93): bank of 4 blocks + partial
     assert pp["comm_bytes_per_1k"] == (stage2_first // 12 + 1) * 1000 * D * 4
@@ -40,7 +39,8 @@ def test_comm_volumes_for_k3_on_8_devices():
     from k3batch.model import get_flavor
 
     vol = comm_bytes_per_1k(get_flavor("k3"), 8)
-    assert vol["tp"] == 2 * 93 * 1000 * 7168 * 2 * 7 // 4  # 186 ring all-reduces at 2 * 7/8
+    # 93 attention [T, D] bf16, 1 dense FFN [T, D] bf16, 92 MoE [T, 3584 + D] fp32; ring 2 * 7/8
+    assert vol["tp"] == 1000 * (94 * 7168 * 2 + 92 * (3584 + 7168) * 4) * 7 // 4
     assert vol["pp"] == 8 * 1000 * 7168 * 2  # stage 8 receives 7 block summaries + partial
     out = CliRunner().invoke(main, ["bench", "comm", "--p2p-gbps", "100", "--busbw-gbps", "100"])
-    assert out.exit_code == 0 and "46.66 ms" in out.output and "1.15 ms" in out.output
+    assert out.exit_code == 0 and "92.83 ms" in out.output and "1.15 ms" in out.output
