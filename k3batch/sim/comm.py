@@ -126,9 +126,9 @@ def collectives(config, layer_ids, num_tokens: int, num_seqs: int, tp: int = 1, 
         )
     if tp == 1:
         return []
-    out = []
+    out, types = [], config.layer_types  # a property that builds a tuple: once, not per layer
     for i in layer_ids:
-        if dcp > 1 and config.layer_types[i] == "mla":
+        if dcp > 1 and types[i] == "mla":
             gather = dcp_gather_bytes(config, num_seqs, tp, dcp, dtype_bytes)
             out.append(Collective("all_gather", gather, dcp))
             out.append(Collective("all_to_all", dcp_merge_bytes(config, num_seqs, tp, dcp), dcp))
@@ -150,9 +150,9 @@ def handoff_bytes(config, num_tokens: int, layers, *, tp: int = 1, dcp: int = 1,
         raise ValueError(f"dcp_rank = {dcp_rank} not in [0, dcp = {dcp})")
     heads, K = config.kda_num_heads // tp, config.kda_head_dim
     stripe = len(range(dcp_rank, num_tokens, dcp))  # tokens i with i % M == d
-    sizes = []
+    sizes, types = [], config.layer_types
     for i in layers:
-        if config.layer_types[i] == "kda":
+        if types[i] == "kda":
             sizes.append(heads * K * K * FP32_BYTES)
             sizes.append(3 * heads * K * (config.short_conv_kernel_size - 1) * dtype_bytes)
         else:
