@@ -279,6 +279,72 @@ def bench_comm(flavor, gpus, p2p_gbps, busbw_gbps):
                f" -> {ms['pp']:.2f} ms at {p2p_gbps:g} GB/s point to point")  # fmt: skip
 
 
+def _csv(ctx, param, value):
+    """A comma-separated option as a tuple (of ints where the option takes numbers); None when
+    not given."""
+    if value is None:
+        return None
+    items = tuple(v.strip() for v in value.split(",") if v.strip())
+    if param.name in ("parts", "experts"):
+        return items
+    try:
+        return tuple(int(v) for v in items)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a list of integers") from None
+
+
+@bench.command("calibrate")
+@click.option("--flavor", default="k3", show_default=True)
+@click.option("--device", default=None, help="cuda or cpu (default: cuda when available).")
+@click.option("--parts", callback=_csv,
+              help="Of embed,kda,mla,dense_ffn,moe,attn_res,head (default: all).")
+@click.option("--tp", callback=_csv,
+              help="TP degrees, measured in this order (default 1,8,16,2,4; CPU 1,2).")
+@click.option("--dcp", callback=_csv,
+              help="DCP degrees of MLA decode, each where it divides tp (default 1,8,16).")
+@click.option("--prefill-tokens", callback=_csv, help="Chunk tokens (default 1024,...,16384).")
+@click.option("--prefill-seqs", callback=_csv,
+              help="Sequences per chunk for kda, mla and head (default 1,8).")
+@click.option("--prefill-contexts", callback=_csv,
+              help="Cached tokens before an MLA chunk (default 8192,32768).")
+@click.option("--decode-batches", callback=_csv, help="Default 1,4,16,64,256.")
+@click.option("--contexts", callback=_csv,
+              help="Cached tokens per sequence at MLA decode (default 1024,8192,32768,131072).")
+@click.option("--experts", callback=_csv, help="Routed experts' dtypes (default bf16,mxfp4).")
+@click.option("--repeats", type=int, help="Timed calls per point, the median kept (default 5).")
+@click.option("--budget-s", default=480.0, show_default=True, type=float,
+              help="No point starts after this many seconds.")
+@click.option("--peak-flops", type=float,
+              help="FLOP/s the efficiency is taken against (default 777e12: the H200's bf16 GEMM).")
+@click.option("--peak-bytes-per-s", type=float,
+              help="Bytes/s the efficiency is taken against (default 4.26e12: the H200's copy).")
+@click.option("--commit", default=None, help="For the header (default: git rev-parse HEAD).")
+@click.option("--out", "out_path", default=None, type=click.Path(dir_okay=False),
+              help="JSONL table, appended (default: calibration_<gpu>[_<flavor>].jsonl).")
+def bench_calibrate(flavor, device, commit, out_path, **given):
+    """Each part of one layer timed alone on one device at the layouts' shapes: the calibration
+    table of the simulation (`k3batch.sim.calibration`)."""
+    from click.core import ParameterSource
+
+    from k3batch.actors.build import default_device
+    from k3batch.bench.calibrate import CalibrateSpec, default_out, run_calibration
+
+    ctx = click.get_current_context()  # the command as given, for the table's header
+    flags = {p.name: p.opts[0] for p in ctx.command.params}
+    args = [f"{flags[k]} {','.join(map(str, v)) if isinstance(v, tuple) else v}"
+            for k, v in ctx.params.items()
+            if ctx.get_parameter_source(k) is ParameterSource.COMMANDLINE]  # fmt: skip
+    device = device or default_device()
+    try:
+        spec = CalibrateSpec.for_device(device, flavor=flavor, **given).validate()
+        points = run_calibration(spec, out_path := out_path or default_out(device, flavor),
+                                 command=" ".join(["k3batch bench calibrate", *args]),
+                                 commit=commit, log=click.echo)  # fmt: skip
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    click.echo(f"{len(points)} points -> {out_path}")
+
+
 @bench.command("mla-decode")
 @click.option("--batch", default=64, show_default=True, type=int)
 @click.option("--context-len", default=8192, show_default=True, type=int)
