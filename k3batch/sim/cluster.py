@@ -169,6 +169,8 @@ class ClusterSpec:
             *(f"  {role}: {ln.name}, {ln.bytes_per_s / 1e9:,.0f} GB/s per GPU per direction, "
               f"{ln.latency_s * 1e6:g} us per ring step"
               for role, ln in (("within a node", self.intra), ("between nodes", self.inter))),
+            ("  assumed: links at their rate per direction, ring collectives (NCCL's model), a "
+             "latency per ring step and none per call"),
         ]  # fmt: skip
 
 
