@@ -53,6 +53,35 @@ def _append_jsonl(path: str | None, rows: list[dict]) -> None:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
+def _int_list(ctx, param, value: str) -> list[int]:
+    """"16,256" -> [16, 256]."""
+    try:
+        return [int(v) for v in str(value).split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected integers, comma-separated") from None
+
+
+SAVE_TUNED_HELP = ("With --sweep: write the fastest launch into this GPU's tuned table "
+                   "(kernels/<op>/tuned/<GPU>.json) under this shape's key.")
+
+
+def _check_save_tuned(sweep: bool, save_tuned: bool) -> None:
+    if save_tuned and not sweep:
+        raise click.UsageError("--save-tuned needs --sweep (it saves the sweep's best)")
+
+
+def _save_tuned(name: str, result: dict, save_tuned: bool) -> None:
+    """With save_tuned, the kernel bench's best launch into this GPU's tuned table."""
+    if save_tuned:
+        from k3batch.bench.kernels import save_best
+
+        try:
+            path = save_best(name, result)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+        click.echo(f"tuned table {path} <- {result['key']}: {result['launch']}")
+
+
 def _moe_gemms(ctx, param, value: str) -> str:
     from k3kernels.moe.experts import GEMM_IMPLS
 
@@ -121,7 +150,8 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, prof
 
 @bench.command("moe")
 @click.option("--flavor", default="k3-slice", show_default=True)
-@click.option("--tokens", default=8192, show_default=True, type=int)
+@click.option("--tokens", default="8192", show_default=True, callback=_int_list,
+              help="Tokens; several, comma-separated (16,256): one run each, in one process.")
 @click.option("--layers", default=None, type=int, help="MoE layers (default: all of the flavor).")
 @click.option("--repeats", default=10, show_default=True, type=int)
 @click.option("--rounds", default=3, show_default=True, type=int,
@@ -131,7 +161,8 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, prof
 @click.option("--sweep", is_flag=True,
               help="Also time the Triton GEMM of this format over launch configs.")
 @click.option("--save-tuned", is_flag=True,
-              help="With --sweep: write the fastest into this GPU's tuned table.")
+              help="With --sweep: write the fastest into this GPU's tuned table, under the "
+              "flavor's two GEMM shapes at this many tokens (kernels/moe/tuned/<GPU>.json).")
 @click.option("--clocks", is_flag=True,
               help="Also the SM clock and board power each row runs at (nvidia-smi; 3 s a row).")
 @click.option("--profile", is_flag=True,
@@ -142,25 +173,25 @@ def bench_moe(flavor, tokens, layers, repeats, rounds, expert_dtype, sweep, save
     """Routed experts alone (CUDA): TFLOP/s, % of the bf16 GEMM peak, TB/s on expert bytes."""
     from k3batch.bench.engine import format_profile
     from k3batch.bench.moe import PROFILED_PASSES, format_moe_table, moe_throughput, save_best
-    from k3batch.model import get_flavor
 
-    try:
-        rows = moe_throughput(flavor, num_tokens=tokens, num_layers=layers, repeats=repeats,
-                              rounds=rounds, expert_dtype=expert_dtype, sweep=sweep,
-                              clocks=clocks, profile=profile)  # fmt: skip
-        click.echo(format_moe_table(rows))
-        for row in rows:
-            if "profile" in row:
-                click.echo(format_profile(row["profile"], f"{row['impl']}, {PROFILED_PASSES} "
-                                          "eager passes"))  # fmt: skip
-        if sweep and save_tuned:
-            config = get_flavor(flavor)
-            slots = tokens * config.num_experts_per_token
-            cfg = save_best(rows, expert_dtype, slots, config.num_experts)
-            click.echo(f"tuned table <- {expert_dtype} at {tokens} tokens: {cfg}")
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
-    _append_jsonl(json_path, rows)
+    _check_save_tuned(sweep, save_tuned)
+    for num_tokens in tokens:
+        try:
+            rows = moe_throughput(flavor, num_tokens=num_tokens, num_layers=layers,
+                                  repeats=repeats, rounds=rounds, expert_dtype=expert_dtype,
+                                  sweep=sweep, clocks=clocks, profile=profile)  # fmt: skip
+            click.echo(format_moe_table(rows))
+            for row in rows:
+                if "profile" in row:
+                    click.echo(format_profile(row["profile"], f"{row['impl']}, "
+                                              f"{PROFILED_PASSES} eager passes"))  # fmt: skip
+            if save_tuned:
+                saved = save_best(rows, expert_dtype, flavor, num_tokens)
+                click.echo(f"tuned table {saved['path']} <- {expert_dtype} {saved['keys']}: "
+                           f"{saved['config']}")  # fmt: skip
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+        _append_jsonl(json_path, rows)
 
 
 @bench.command("host")
@@ -346,39 +377,56 @@ def bench_calibrate(flavor, device, commit, out_path, **given):
 
 
 @bench.command("mla-decode")
-@click.option("--batch", default=64, show_default=True, type=int)
-@click.option("--context-len", default=8192, show_default=True, type=int)
+@click.option("--batch", default="64", show_default=True, callback=_int_list,
+              help="Sequences; several, comma-separated (1,16,64): one run each, in one process.")
+@click.option("--context-len", default="8192", show_default=True, callback=_int_list,
+              help="Cached tokens per sequence: one for every --batch, or one per --batch.")
 @click.option("--heads", default=96, show_default=True, type=int, help="Query heads (96: K3).")
-@click.option("--page-size", default=64, show_default=True, type=int)
+@click.option("--page-size", default=64, show_default=True, type=int,
+              help="Tokens per page (the engine's default: 16).")
 @click.option("--sweep", is_flag=True, help="Time the launch configurations; report the best.")
+@click.option("--save-tuned", is_flag=True, help=SAVE_TUNED_HELP)
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
-def bench_mla_decode(batch, context_len, heads, page_size, sweep, json_path):
+def bench_mla_decode(batch, context_len, heads, page_size, sweep, save_tuned, json_path):
     """Paged MLA decode kernel: bandwidth on the latent bytes read vs the copy bandwidth."""
     from k3batch.bench.kernels import format_result, run_mla_decode_bench
 
-    r = run_mla_decode_bench(batch=batch, context_len=context_len, heads=heads,
-                             page_size=page_size, sweep=sweep,
-                             on_row=lambda row: click.echo(json.dumps(row)))  # fmt: skip
-    click.echo(format_result("mla-decode", r))
-    _append_jsonl(json_path, [r])
+    _check_save_tuned(sweep, save_tuned)
+    if len(context_len) not in (1, len(batch)):
+        raise click.UsageError(f"{len(context_len)} context lengths for {len(batch)} batches")
+    for b, n in zip(batch, context_len * len(batch) if len(context_len) == 1 else context_len):
+        r = run_mla_decode_bench(batch=b, context_len=n, heads=heads, page_size=page_size,
+                                 sweep=sweep,
+                                 on_row=lambda row: click.echo(json.dumps(row)))  # fmt: skip
+        click.echo(format_result("mla-decode", r))
+        _save_tuned("mla-decode", r, save_tuned)
+        _append_jsonl(json_path, [r])
 
 
 @bench.command("kda-decode")
-@click.option("--batch", default=64, show_default=True, type=int)
+@click.option("--batch", default="64", show_default=True, callback=_int_list,
+              help="Sequences; several, comma-separated (1,16,64): one run each, in one process.")
 @click.option("--heads", default=96, show_default=True, type=int, help="KDA heads (96: K3).")
 @click.option("--sweep", is_flag=True, help="Time the launch configurations; report the best.")
+@click.option("--save-tuned", is_flag=True, help=SAVE_TUNED_HELP)
+@click.option("--fla/--no-fla", default=True, show_default=True,
+              help="Also time fla's recurrent kernel (its first call may autotune).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
-def bench_kda_decode(batch, heads, sweep, json_path):
+def bench_kda_decode(batch, heads, sweep, save_tuned, fla, json_path):
     """In-place KDA decode step: bandwidth on the fp32 states read and written vs the copy
     bandwidth (fla's recurrent kernel beside it)."""
     from k3batch.bench.kernels import format_result, run_kda_decode_bench
 
-    r = run_kda_decode_bench(batch=batch, heads=heads, sweep=sweep,
-                             on_row=lambda row: click.echo(json.dumps(row)))  # fmt: skip
-    click.echo(format_result("kda-decode", r))
-    click.echo(f"kda-decode: fla     {r['fla']['ms']:.3f} ms, {r['fla']['tbps']:.2f} TB/s "
-               f"({r['fla_fraction_of_copy']:.0%})")  # fmt: skip
-    _append_jsonl(json_path, [r])
+    _check_save_tuned(sweep, save_tuned)
+    for b in batch:
+        r = run_kda_decode_bench(batch=b, heads=heads, sweep=sweep, fla=fla,
+                                 on_row=lambda row: click.echo(json.dumps(row)))  # fmt: skip
+        click.echo(format_result("kda-decode", r))
+        if fla:
+            click.echo(f"kda-decode: fla     {r['fla']['ms']:.3f} ms, {r['fla']['tbps']:.2f} "
+                       f"TB/s ({r['fla_fraction_of_copy']:.0%})")  # fmt: skip
+        _save_tuned("kda-decode", r, save_tuned)
+        _append_jsonl(json_path, [r])
 
 
 @bench.command("mla-prefill")
@@ -386,14 +434,17 @@ def bench_kda_decode(batch, heads, sweep, json_path):
 @click.option("--cached-lens", default=None, help="Cached prefix per sequence (default 0).")
 @click.option("--heads", default=96, show_default=True, type=int)
 @click.option("--sweep", is_flag=True, help="Time the launch configurations; report the best.")
+@click.option("--save-tuned", is_flag=True, help=SAVE_TUNED_HELP)
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
-def bench_mla_prefill(seq_lens, cached_lens, heads, sweep, json_path):
+def bench_mla_prefill(seq_lens, cached_lens, heads, sweep, save_tuned, json_path):
     """MLA prefill flash kernel: useful TFLOP/s vs the bf16 GEMM peak."""
     from k3batch.bench.kernels import format_result, run_mla_prefill_bench
 
+    _check_save_tuned(sweep, save_tuned)
     lens = [int(n) for n in seq_lens.split(",")]
     cached = [int(n) for n in cached_lens.split(",")] if cached_lens else None
     r = run_mla_prefill_bench(seq_lens=lens, cached_lens=cached, heads=heads, sweep=sweep,
                               on_row=lambda row: click.echo(json.dumps(row)))
     click.echo(format_result("mla-prefill", r))
+    _save_tuned("mla-prefill", r, save_tuned)
     _append_jsonl(json_path, [r])

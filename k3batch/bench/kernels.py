@@ -12,15 +12,21 @@ Times are medians of `triton.testing.do_bench` (L2 flushed between runs), except
 replays of a CUDA graph of the call, as the engine's decode step runs it (do_bench's timing of
 the eager call took in ~20 us of the host's launches: 0.188 against 0.165 ms at 12 heads).
 `sweep=True` times each launch configuration too (after the default; `on_row` gets each row)
-and reports the best.
+and reports the best; each result carries its kernel's tuned-table "key" (`k3kernels.tuned`) and
+the best "launch" to save there (`save_best`, what `--sweep --save-tuned` calls). "default" is
+the launch the kernel picks today: its tuned entry where this GPU has one, else its rule.
+Each launch of a sweep compiles once (0.3-8 s each for these kernels, compiled for sm_90 on a
+2-core CPU machine), which is most of a sweep's time: the grids are kept short.
 """
 
+import importlib
 import itertools
 import math
 import shutil
 import statistics
 import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -152,8 +158,8 @@ def run_mla_decode_bench(*, batch: int = 64, context_len: int = 8192, heads: int
                                         page_size=page_size)  # fmt: skip
     scale = (128 + rope) ** -0.5
     nbytes = batch * context_len * (kv_lora + rope) * pool.dtype.itemsize
-    base = K.launch_config(heads, page_size) | {
-        "num_splits": K.num_splits_for(batch, heads, context_len)}
+    m = K.num_splits_for(batch, heads, context_len)  # the engine's split count
+    base = K.launch_config(batch, heads, page_size, kv_lora, rope) | {"num_splits": m}
 
     def time_cfg(cfg):
         launch = {k: v for k, v in cfg.items() if k != "num_splits"}
@@ -165,17 +171,11 @@ def run_mla_decode_bench(*, batch: int = 64, context_len: int = 8192, heads: int
         return time_ms(fn, repeats=50)
 
     default_ms = time_cfg(base)
+    rate = lambda ms: {"tbps": nbytes / ms / 1e9}  # noqa: E731
     tried = []
-    if sweep:
-        m = base["num_splits"]
-        splits = sorted({max(1, m - 1), m, m + 1, 2 * m})
-        if heads <= K.SMALL_HEADS:  # a TP / DCP rank's heads
-            grid = itertools.product((K.SMALL_HEADS,), (32, 64), (2, 4, 8), (2, 3, 4), splits)
-        else:
-            grid = itertools.product((32, 64), (16, 32, 64), (4, 8), (1, 2, 3), splits)
-        configs = [dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, num_splits=m)
-                   for bh, bn, nw, ns, m in grid]  # fmt: skip
-        tried = _sweep(configs, time_cfg, lambda ms: {"tbps": nbytes / ms / 1e9}, on_row)
+    if sweep:  # the tiles at the engine's split count (`num_splits_for`)
+        configs = [t | {"num_splits": m} for t in mla_decode_tiles(heads)]
+        tried = _sweep(configs, time_cfg, rate, on_row)
     ok = [t for t in tried if "ms" in t]
     best = min(ok, key=lambda t: t["ms"]) if ok else base | {"ms": default_ms}
     tbps = nbytes / default_ms / 1e9
@@ -187,7 +187,26 @@ def run_mla_decode_bench(*, batch: int = 64, context_len: int = 8192, heads: int
         "best_fraction_of_copy": nbytes / best["ms"] / 1e9 / COPY_TBPS,
         "sweep": sorted(ok, key=lambda t: t["ms"])[:15],
         "errors": [t for t in tried if "error" in t][:10],
+        "key": K.table_key(batch, heads, kv_lora, rope, page_size),
+        "launch": {k: best[k] for k in ("block_h", "block_n", "num_warps", "num_stages")},
     }  # fmt: skip
+
+
+def mla_decode_tiles(heads: int) -> list[dict]:
+    """The MLA decode tiles a sweep times, each at the engine's split count (the split count is
+    a constexpr: every count is a compile of every tile, ~2 s each). A TP / DCP rank's few
+    heads: one 16-head block, 32- or 64-token tiles, 2-8 warps, 2-4 stages. More heads: 64-head
+    blocks on the two-warpgroup loop (8 warps) and 32-head blocks on one (4 warps), 16-64-token
+    tiles (16: one page of the engine's 16-token pages, one page row a tile), 2 stages (3 at
+    the rule's tile). At 96 heads x 64 x 8K one H200 (`benchmarks/mla_h200.jsonl`) ran 1 stage
+    1.28x slower than the best, 32-head blocks on 8 warps 1.34x: not swept."""
+    if heads <= 16:
+        grid = itertools.product((16,), (32, 64), (2, 4, 8), (2, 3, 4))
+    else:
+        grid = [(64, 64, 8, 2), (64, 64, 8, 3), (64, 32, 8, 2),
+                *((32, bn, 4, 2) for bn in (16, 32, 64))]  # fmt: skip
+    return [dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns)
+            for bh, bn, nw, ns in grid]  # fmt: skip
 
 
 def run_mla_prefill_bench(*, seq_lens=(8192,), cached_lens=None, heads: int = 96,
@@ -210,8 +229,7 @@ def run_mla_prefill_bench(*, seq_lens=(8192,), cached_lens=None, heads: int = 96
     cu_q, cu_k = cu(seq_lens), cu(k_lens)
     pairs = sum(n * c + n * (n + 1) // 2 for n, c in zip(seq_lens, cached))  # causal (q, k)
     flops = 2 * pairs * heads * (Dn + R + Dv)
-    base = dict(block_m=K.BLOCK_M, block_n=K.BLOCK_N, num_warps=K.NUM_WARPS,
-                num_stages=K.NUM_STAGES)  # fmt: skip
+    base = K.launch_config(T, heads, Dn, R, Dv)
 
     def run(cfg):
         return K.mla_prefill(q, kv[..., :Dn], latent[:, L:], kv[..., Dn:], cu_q, cu_k,
@@ -223,8 +241,12 @@ def run_mla_prefill_bench(*, seq_lens=(8192,), cached_lens=None, heads: int = 96
 
     default_ms = time_cfg(base)
     tried = []
-    if sweep:
-        grid = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
+    if sweep:  # query blocks of 128 rows on 8 or 4 warps and of 64 on 4 (8 warps: two
+        # warpgroups of 32 rows, under the 64 of an MMA), key blocks of 64 or 128, 2 stages, 3
+        # at the default tile (at 128 x 128, 3 stages exceed shared memory); each compiles once
+        # (~3.5 s)
+        grid = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 2),
+                (64, 64, 4, 2), (64, 128, 4, 2)]  # fmt: skip
         configs = [dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
                    for bm, bn, nw, ns in grid]  # fmt: skip
         tried = _sweep(configs, time_cfg, lambda ms: {"tflops": flops / ms / 1e9}, on_row)
@@ -242,11 +264,13 @@ def run_mla_prefill_bench(*, seq_lens=(8192,), cached_lens=None, heads: int = 96
         "sweep": sorted(ok, key=lambda t: t["ms"])[:10],
         "errors": [t for t in tried if "error" in t][:10],
         "peak_extra_bytes": peak_extra,
+        "key": K.table_key(T, heads, Dn, R, Dv), "launch": {k: best[k] for k in base},
     }  # fmt: skip
 
 
 def run_kda_decode_bench(*, batch: int = 64, heads: int = 96, head_dim: int = 128,
-                         sweep: bool = False, on_row=None) -> dict:  # fmt: skip
+                         sweep: bool = False, fla: bool = True,
+                         on_row=None) -> dict:  # fmt: skip
     from k3kernels.kda import recurrent_decode as K
 
     N, H, D = batch, heads, head_dim
@@ -262,7 +286,7 @@ def run_kda_decode_bench(*, batch: int = 64, heads: int = 96, head_dim: int = 12
     args = (q, k, v, f, b, A_log, dt_bias)
     kw = dict(lower_bound=-5.0, scale=D**-0.5, state_pool=pool, slots=slots)
     nbytes = 2 * N * H * D * D * 4  # state read and written
-    base = dict(block_v=K.BLOCK_V, num_warps=K.NUM_WARPS)
+    base = K.launch_config(N, H, D, D)
 
     def time_cfg(cfg):
         return _median_ms(lambda: K.kda_decode_(*args, **kw, **cfg))
@@ -276,16 +300,18 @@ def run_kda_decode_bench(*, batch: int = 64, heads: int = 96, head_dim: int = 12
         tried = _sweep(configs, time_cfg, rate, on_row)
     ok = [t for t in tried if "ms" in t]
     best = min(ok, key=lambda t: t["ms"]) if ok else base | {"ms": default_ms}
-    fla_ms = _median_ms(lambda: _fla_recurrent_step(*args, **kw))
+    fla_ms = _median_ms(lambda: _fla_recurrent_step(*args, **kw)) if fla else None
+    fla_row = {"ms": fla_ms} | rate(fla_ms) if fla else {}
     return {
         "batch": N, "heads": H, "head_dim": D, "state_bytes": nbytes,
         "default": base | {"ms": default_ms} | rate(default_ms),
         "default_fraction_of_copy": rate(default_ms)["tbps"] / COPY_TBPS,
         "best": best | rate(best["ms"]),
-        "fla": {"ms": fla_ms} | rate(fla_ms),
-        "fla_fraction_of_copy": rate(fla_ms)["tbps"] / COPY_TBPS,
+        "fla": fla_row,
+        "fla_fraction_of_copy": fla_row["tbps"] / COPY_TBPS if fla else None,
         "sweep": sorted(ok, key=lambda t: t["ms"])[:10],
         "errors": [t for t in tried if "error" in t][:10],
+        "key": K.table_key(N, H, D, D), "launch": {k: best[k] for k in base},
     }  # fmt: skip
 
 
@@ -302,6 +328,25 @@ def _fla_recurrent_step(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, st
         inplace_final_state=True, ssm_state_indices=slots, use_gate_in_kernel=True,
         use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
+
+
+# bench name -> (kernel module, its table in the op's tuned file)
+TABLES = {"mla-decode": ("k3kernels.mla.decode", "decode"),
+          "mla-prefill": ("k3kernels.mla.prefill", "prefill"),
+          "kda-decode": ("k3kernels.kda.recurrent_decode", "decode")}  # fmt: skip
+
+
+def save_best(name: str, r: dict) -> Path:
+    """A swept bench result's best launch (`r["launch"]`) into the current GPU's tuned table of
+    that kernel under its shape's key (`r["key"]`), the other entries kept; returns the file."""
+    from k3kernels import tuned
+
+    if not r["sweep"]:
+        raise ValueError(f"{name}: no swept launch ran; nothing to save")
+    module, table = TABLES[name]
+    path = importlib.import_module(module).TUNED_DIR / tuned.file_name(torch.cuda.get_device_name())
+    tuned.save(path, table, r["key"], r["launch"])
+    return path
 
 
 def format_result(name: str, r: dict) -> str:

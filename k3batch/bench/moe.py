@@ -272,9 +272,12 @@ def _timed(fn, n: int) -> float:
     return time.perf_counter() - t0
 
 
-def save_best(rows: list[dict], expert_dtype: str, num_slots: int, num_experts: int) -> dict:
+def save_best(rows: list[dict], expert_dtype: str, flavor: str, num_tokens: int) -> dict:
     """The fastest swept config into the current GPU's tuned table (the JSON file that
-    `launch_config` reads), for this weight format and regime; returns it."""
+    `launch_config` reads), table expert_dtype, under the keys of the flavor's two GEMMs (gate-up
+    and down) at num_tokens tokens (`grouped_gemm_triton.table_key`), other entries kept;
+    returns {"config", "keys", "path"}."""
+    from k3kernels import tuned
     from k3kernels.moe import grouped_gemm_triton as G
 
     swept = [r for r in rows if "{" in r["impl"] and "ms" in r]
@@ -282,38 +285,49 @@ def save_best(rows: list[dict], expert_dtype: str, num_slots: int, num_experts: 
         raise ValueError("no swept config ran")
     best = min(swept, key=lambda r: r["ms"])
     cfg = json.loads(best["impl"].split(" ", 1)[1])
-    path = G.TUNED_DIR / (torch.cuda.get_device_name().replace(" ", "_") + ".json")
-    table = json.loads(path.read_text()) if path.exists() else {}
-    table.setdefault(expert_dtype, {})[regime(num_slots, num_experts)] = cfg
-    path.write_text(json.dumps(table, indent=2) + "\n")
-    G.tuned_configs.cache_clear()
-    return cfg
+    config = get_flavor(flavor)
+    D = config.routed_expert_hidden_size or config.hidden_size
+    I, E = config.moe_intermediate_size, config.num_experts
+    M = num_tokens * config.num_experts_per_token
+    keys = [G.table_key(M, E, 2 * I, D), G.table_key(M, E, D, I)]
+    path = G.TUNED_DIR / tuned.file_name(torch.cuda.get_device_name())
+    for key in keys:
+        tuned.save(path, expert_dtype, key, cfg)
+    return {"config": cfg, "keys": keys, "path": str(path)}
 
 
 def sweep_configs(decode: bool, bf16: bool = False) -> list[dict]:
     """Launch configs of the Triton grouped GEMMs (bf16 and W4A16) that `--sweep` times; bf16:
-    the bf16 kernel's prefill tiles, block_m + block_t rows (see `grouped_mm_triton`)."""
+    the bf16 kernel's prefill tiles, block_m + block_t rows (see `grouped_mm_triton`). Each
+    compiles once (0.3-8 s, sm_90 on a CPU), so the grids hold what came within ~20% of the best
+    at k3-slice (`benchmarks/moe_k3slice_h200.jsonl`) and the row splits that matter at other
+    shapes."""
     keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
     tail_keys = ("block_m", "block_t", *keys[1:])
-    if decode:  # 256-wide columns: fewer W4A16 instructions per weight in the SASS and fewer
-        # registers than 16 x 128 x 256, but slower on the H200 (3.24-3.51 ms against 2.90 at
-        # 64 tokens, 8630319)
-        grid = itertools.product((16,), (32, 64, 128, 256), (64, 128, 256), (2, 4), (2, 3, 4))
+    if decode:  # k3-slice, W4A16 at 1-256 tokens: the best tile with 32- or 256-wide columns
+        # took 1.10-1.81x the best at each size, with 2 stages 1.04-1.23x, so neither is swept
+        # (256-wide columns: fewer W4A16 instructions per weight in the SASS and fewer
+        # registers than 16 x 128 x 256, but 3.24-3.51 ms against 2.90 at 64 tokens, 8630319)
+        grid = itertools.product((16,), (64, 128), (64, 128, 256), (2, 4), (3, 4))
         return [dict(zip(keys, values)) for values in grid]
-    if not bf16:  # W4A16. 256-row tiles, which unpack an expert's weight tile once where
-        # 128-row ones (two per ~146-row expert) unpack it twice, took 32.0-59.6 ms at 8,192
-        # tokens (256 x {64, 128} x {64, 128}, 8 warps, 2-4 stages) against 26.1 for the then
-        # tuned 128 x 128 x 128 (one H200, 2026-12-02), so they are not swept. An expert's
-        # last tile of at most block_t rows as a block_t-row tile: 128 + 32 rows x 128 x 128 (4
-        # warps, 3 stages) 21.2 ms, 128 + 64 22.9, 256-wide columns 78-82 (599b3ae)
-        grid = itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
-        tails = itertools.product((128,), (32, 64), (128, 256), (128,), (4,), (3, 4))
-        return [dict(zip(keys, values)) for values in grid] + [
-            dict(zip(tail_keys, values)) for values in tails]
-    # bf16: 128-input steps (3 stages at most) took 16.5 ms against 15.5-16.2 (fab7054)
-    grid = itertools.product((128,), (0, 16, 32, 64), (128, 256), (64,), (4, 8), (3, 4))
-    configs = [dict(zip(tail_keys, values)) for values in grid]
-    return [c for c in configs if c["block_n"] == 128 or c["num_warps"] == 8] + [
+    if not bf16:  # W4A16, 128-wide columns and inputs, 4 warps, 3 stages: at k3-slice prefill
+        # (8,192 tokens) 256-wide columns, 8 warps or 4 stages took 1.23x the best, 64-wide
+        # inputs 1.36x, 64-row tiles 1.24x, 2 stages 1.81x. 256-row tiles, which unpack an
+        # expert's weight tile once where 128-row ones (two per ~146-row expert) unpack it
+        # twice, took 32.0-59.6 ms at 8,192 tokens (256 x {64, 128} x {64, 128}, 8 warps, 2-4
+        # stages) against 26.1 for the then tuned 128 x 128 x 128 (one H200, 2026-12-02). An
+        # expert's last tile of at most block_t rows as a block_t-row tile: 128 + 32 rows x 128
+        # x 128 (4 warps, 3 stages) 21.2 ms, 128 + 64 22.9, 256-wide columns 78-82 (599b3ae).
+        # 128 + 0 and 128 + 64 cover 256 rows an expert exactly (Kimi Linear at 8,192 tokens:
+        # 8,192 x 8 / 256). These tiles compile in 1.4-7.9 s each.
+        rows = ((128, 0), (128, 32), (128, 64), (64, 0))
+        return [dict(zip(tail_keys, (bm, bt, 128, 128, 4, 3))) for bm, bt in rows]
+    # bf16: 128-input steps (3 stages at most) took 16.5 ms against 15.5-16.2 (fab7054); a
+    # 16-row tail 1.21x the best (k3-slice prefill)
+    tiles = ((128, 4, 3), (128, 8, 3), (256, 8, 4))  # (block_n, num_warps, num_stages)
+    configs = [dict(zip(tail_keys, (128, bt, bn, 64, nw, ns)))
+               for bt, (bn, nw, ns) in itertools.product((0, 32, 64), tiles)]  # fmt: skip
+    return configs + [
         dict(block_m=64, block_t=32, block_n=128, block_k=64, num_warps=4, num_stages=3)]
 
 

@@ -13,13 +13,20 @@ bandwidth (the whole head with 8 warps: 56%; fla's recurrent kernel, 32-wide: 70
 Shape legend: N sequences, H heads, K key dim, V value dim, NB blocks of the arena.
 """
 
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
 
-# Launch settings (the sweep's best on an H200).
+from k3kernels import tuned
+
+# Launch settings by default (the sweep's best on an H200 at 64 x 96 heads); the tuned table
+# (`k3kernels.tuned`: table "decode" of tuned/<GPU>.json, keys `table_key`, written by `k3batch
+# bench kda-decode --sweep --save-tuned`) overrides them at its shapes.
 BLOCK_V = 64
 NUM_WARPS = 4
+TUNED_DIR = Path(__file__).with_name("tuned")
 
 
 @triton.jit
@@ -86,12 +93,27 @@ def kda_decode_kernel(
     tl.store(o_ptr + n * stride_on + h * V + vv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
 
 
+def table_key(num_seqs: int, num_heads: int, k_dim: int, v_dim: int) -> str:
+    """The tuned-table key of a step of num_seqs sequences: heads and head dims; the batch as
+    its size."""
+    return tuned.make_key(f"H={num_heads} K={k_dim} V={v_dim}", "batch", num_seqs)
+
+
+def launch_config(num_seqs: int, num_heads: int, k_dim: int = 128, v_dim: int = 128) -> dict:
+    """{block_v, num_warps}: the current GPU's tuned entry for this shape at the nearest batch,
+    else the defaults above (any input dtype: the state, which the tile holds, is fp32)."""
+    key = table_key(num_seqs, num_heads, k_dim, v_dim)
+    found = tuned.lookup(tuned.gpu_path(TUNED_DIR), "decode", key)
+    return dict(block_v=BLOCK_V, num_warps=NUM_WARPS) | found
+
+
 def kda_decode_(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, state_pool, slots,
-                block_v: int = BLOCK_V, num_warps: int = NUM_WARPS):  # fmt: skip
+                **config):  # fmt: skip
     """Same contract as `reference.kda_decode_`: q, k, f [N, H, K]; v [N, H, V]; b [N, H];
     A_log [H]; dt_bias [H * K]; state_pool [NB, H, K, V] fp32 (a view into the arena, each
     block's state contiguous); slots [N] distinct int device indices (padding rows point at a
-    scratch block). Returns o [N, H, V] in v's dtype; the states are updated in place."""
+    scratch block). config: block_v, num_warps (default `launch_config`). Returns o [N, H, V]
+    in v's dtype; the states are updated in place."""
     N, H, K = q.shape
     V = v.shape[-1]
     if state_pool.shape[1:] != (H, K, V) or state_pool.dtype != torch.float32:
@@ -105,12 +127,13 @@ def kda_decode_(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, state_pool
     o = torch.empty(N, H, V, device=v.device, dtype=v.dtype)
     if N == 0:
         return o
-    block_v = min(block_v, triton.next_power_of_2(V))
+    cfg = launch_config(N, H, K, V) | config
+    block_v = min(cfg["block_v"], triton.next_power_of_2(V))
     kda_decode_kernel[(triton.cdiv(V, block_v), H, N)](
         q, k, v, f, b, A_log.float().contiguous(), dt_bias.float().contiguous(), o, state_pool,
         slots, q.stride(0), k.stride(0), v.stride(0), f.stride(0), b.stride(0), o.stride(0),
         state_pool.stride(0), float(lower_bound or 0.0), float(scale), K=K, V=V,
         BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v, BOUNDED=lower_bound is not None,
-        num_warps=num_warps,
+        num_warps=cfg["num_warps"],
     )  # fmt: skip
     return o

@@ -15,11 +15,14 @@ Shape legend: B sequences, H heads, L latent (kv_lora), R rope dims, C = L + R, 
 N tokens per page, M splits.
 """
 
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from k3kernels import tuned
 from k3kernels.mla.merge import merge_lse
 
 
@@ -221,19 +224,40 @@ def mla_decode_kernel(
 # - 16-token pages (the engine's default; tiles span pages, per-token rows): 12 heads 0.208 ms
 #   with 32-token tiles (64: 0.282); 96 heads 0.607 ms (0.643 before `_split_scores_loop`, with 3
 #   stages; 2 stages were 0.711 then).
+# The tuned table (`k3kernels.tuned`: table "decode" of tuned/<GPU>.json, keys `table_key`,
+# written by `k3batch bench mla-decode --sweep --save-tuned`) overrides these rules at its shapes.
 # FALLBACK fits where a default launch does not (out of shared memory: fp32 inputs).
 SMALL_HEADS = 16  # at most this many heads: one head block, memory bound
 FALLBACK = dict(block_h=SMALL_HEADS, block_n=32, num_warps=4, num_stages=2)
+TUNED_DIR = Path(__file__).with_name("tuned")
 
 
-def launch_config(num_heads: int, page_size: int = 64) -> dict:
-    """{block_h, block_n, num_warps, num_stages} for num_heads query heads per sequence over
-    pages of page_size tokens."""
+def default_config(num_heads: int, page_size: int = 64) -> dict:
+    """{block_h, block_n, num_warps, num_stages} by rule, for num_heads query heads per
+    sequence over pages of page_size tokens (the measurements above)."""
     one_page = page_size % 64 == 0  # 64-token tiles each within one page
     if num_heads <= SMALL_HEADS:  # TP / DCP ranks
         return dict(block_h=SMALL_HEADS, block_n=64 if one_page else 32, num_warps=4,
                     num_stages=2)
     return dict(block_h=64, block_n=64, num_warps=8, num_stages=2)
+
+
+def table_key(num_seqs: int, num_heads: int, kv_lora: int, rope: int, page_size: int) -> str:
+    """The tuned-table key of a decode step of num_seqs sequences: heads, latent and rope
+    widths, page size; the batch as its size."""
+    shape = f"H={num_heads} L={kv_lora} R={rope} page={page_size}"
+    return tuned.make_key(shape, "batch", num_seqs)
+
+
+def launch_config(num_seqs: int, num_heads: int, page_size: int, kv_lora: int = 512,
+                  rope: int = 64, dtype=torch.bfloat16) -> dict:  # fmt: skip
+    """{block_h, block_n, num_warps, num_stages}: the current GPU's tuned entry for this shape
+    at the nearest batch (bf16 inputs only: the sweep's), else `default_config`. The split
+    count is the caller's (`num_splits_for`, which counts `default_config`'s head blocks: the
+    sweep tunes the tile at that count)."""
+    key = table_key(num_seqs, num_heads, kv_lora, rope, page_size)
+    path = tuned.gpu_path(TUNED_DIR) if dtype == torch.bfloat16 else None
+    return default_config(num_heads, page_size) | tuned.lookup(path, "decode", key)
 
 
 def _precision(dtype) -> str:
@@ -255,7 +279,7 @@ def num_splits_for(
     min_tokens tokens. At 64 x 8K: 3 splits of 2 head blocks (6 measured slower), 4 of one
     small-head block (rounded down: 5 leaves a partial last wave, 0.19 against 0.165 ms).
     Host-side integers only (no device sync: graph-safe)."""
-    programs = max(1, num_seqs * triton.cdiv(num_heads, launch_config(num_heads)["block_h"]))
+    programs = max(1, num_seqs * triton.cdiv(num_heads, default_config(num_heads)["block_h"]))
     if num_heads <= SMALL_HEADS:
         want = max(1, 2 * num_sms // programs)
     else:
@@ -281,7 +305,7 @@ def mla_decode(
     q_BHC: [q_lat | q_rope] [B, H, L + R] (the model dtype); pool_PNC: [P, page_size, L + R]
     (last dim contiguous; the pool's dtype must be q's); page_rows_BP: [B, >= pages] int;
     seq_lens_B: [B] int32/int64 device tensor (0 allowed: out 0, lse -inf).
-    config: {block_h, block_n, num_warps, num_stages} (default `launch_config(H, page size)`).
+    config: {block_h, block_n, num_warps, num_stages} (default `launch_config`).
     Returns (out [B, H, L] in out_dtype (default q's), lse [B, H] fp32, natural log).
     """
     B, H, C = q_BHC.shape
@@ -308,7 +332,7 @@ def mla_decode(
             _launch(*args, **config)
         else:
             try:
-                _launch(*args, **launch_config(H, pool_PNC.shape[1]))
+                _launch(*args, **launch_config(B, H, pool_PNC.shape[1], L, R, q_BHC.dtype))
             except OutOfResources:
                 _launch(*args, **FALLBACK)
     if M == 1:

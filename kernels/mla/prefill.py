@@ -11,9 +11,13 @@ heaviest first (the last block of a sequence sees the most keys).
 Shape legend: T packed queries, S packed keys, H heads, Dn nope dims, R rope dims, Dv value dims.
 """
 
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
+
+from k3kernels import tuned
 
 
 @triton.jit
@@ -113,8 +117,28 @@ def mla_prefill_kernel(
     tl.store(o_base + offs_dv[None, :], out.to(o_ptr.dtype.element_ty), mask=o_mask)
 
 
-# Launch settings (swept on the GPU by `k3batch bench mla-prefill`).
+# Launch settings by default (swept on the GPU by `k3batch bench mla-prefill --sweep`); the
+# tuned table (`k3kernels.tuned`: table "prefill" of tuned/<GPU>.json, keys `table_key`, written
+# with --save-tuned) overrides them at its shapes.
 BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 64, 8, 2
+TUNED_DIR = Path(__file__).with_name("tuned")
+
+
+def table_key(num_tokens: int, num_heads: int, nope: int, rope: int, v_dim: int) -> str:
+    """The tuned-table key of a prefill of num_tokens packed new tokens: heads and head dims;
+    the tokens as its size."""
+    return tuned.make_key(f"H={num_heads} Dn={nope} R={rope} Dv={v_dim}", "tokens", num_tokens)
+
+
+def launch_config(num_tokens: int, num_heads: int, nope: int = 128, rope: int = 64,
+                  v_dim: int = 128, dtype=torch.bfloat16) -> dict:  # fmt: skip
+    """{block_m, block_n, num_warps, num_stages}: the current GPU's tuned entry for this shape
+    at the nearest token count (bf16 inputs only: the sweep's; a bf16 tile can exceed shared
+    memory in fp32), else the defaults above."""
+    key = table_key(num_tokens, num_heads, nope, rope, v_dim)
+    path = tuned.gpu_path(TUNED_DIR) if dtype == torch.bfloat16 else None
+    defaults = dict(block_m=BLOCK_M, block_n=BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return defaults | tuned.lookup(path, "prefill", key)
 
 
 def mla_prefill(
@@ -127,10 +151,7 @@ def mla_prefill(
     *,
     max_seqlen_q: int,
     scale: float,
-    block_m: int = BLOCK_M,
-    block_n: int = BLOCK_N,
-    num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
+    **config,
 ):
     """Causal expanded attention of packed new tokens over their sequences' keys.
 
@@ -138,8 +159,9 @@ def mla_prefill(
     token, all heads), v [S, H, Dv]: any strides with the last dim contiguous (views into the
     kv_b_proj output and the latent are fine). cu_seqlens_q / cu_seqlens_k: [B + 1] int32
     device tensors; sequence b's k_len - q_len >= 0 keys before its new tokens are its cached
-    prefix. max_seqlen_q: host int >= every q_len (sizes the grid). Returns o [T, H, Dv] in q's
-    dtype. Reference: `reference.mla_prefill`.
+    prefix. max_seqlen_q: host int >= every q_len (sizes the grid). config: block_m, block_n,
+    num_warps, num_stages (default `launch_config`). Returns o [T, H, Dv] in q's dtype.
+    Reference: `reference.mla_prefill`.
     """
     T, H, Q = q_THQ.shape
     Dn, Dv = k_nope_SHK.shape[-1], v_SHV.shape[-1]
@@ -153,16 +175,17 @@ def mla_prefill(
     B = cu_seqlens_q.shape[0] - 1
     if T == 0 or B == 0:
         return o
-    grid = (triton.cdiv(max_seqlen_q, block_m), H, B)
+    cfg = launch_config(T, H, Dn, R, Dv, q_THQ.dtype) | config
+    grid = (triton.cdiv(max_seqlen_q, cfg["block_m"]), H, B)
     mla_prefill_kernel[grid](
         q_THQ, k_nope_SHK, k_rope_SR, v_SHV, o, cu_seqlens_q, cu_seqlens_k,
         scale * 1.4426950408889634,
         q_THQ.stride(0), q_THQ.stride(1), k_nope_SHK.stride(0), k_nope_SHK.stride(1),
         k_rope_SR.stride(0), v_SHV.stride(0), v_SHV.stride(1), o.stride(0), o.stride(1),
-        DN=Dn, R=R, DV=Dv, BLOCK_M=block_m, BLOCK_N=block_n,
+        DN=Dn, R=R, DV=Dv, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
         BLOCK_DN=max(16, triton.next_power_of_2(Dn)), BLOCK_R=max(16, triton.next_power_of_2(R)),
         BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
         PRECISION="ieee" if q_THQ.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return o

@@ -41,15 +41,13 @@ Runs under TRITON_INTERPRET=1 on CPU.
 Shape legend: M sorted rows, K input width, N output width, E experts.
 """
 
-import functools
-import json
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from k3kernels import INTERPRETED
+from k3kernels import INTERPRETED, tuned
 
 
 def num_tile_slots(num_rows: int, num_experts: int, BLOCK_M: int) -> int:
@@ -155,14 +153,12 @@ DEFAULT_CONFIGS = {
     "decode": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4),
     "prefill": dict(block_m=64, block_t=32, block_n=128, block_k=64, num_warps=4, num_stages=2),
 }
-TUNED_DIR = Path(__file__).with_name("tuned")  # one JSON per GPU name: {weights: {regime: cfg}}
-
-
-@functools.cache
-def tuned_configs(device_name: str) -> dict:
-    """The tuned table of a GPU (`tuned/<name>.json`, spaces as underscores), or {}."""
-    path = TUNED_DIR / (device_name.replace(" ", "_") + ".json")
-    return json.loads(path.read_text()) if path.exists() else {}
+# This kernel's and the W4A16 kernel's tuned launches (`k3kernels.tuned`): tables "bf16" and
+# "mxfp4", keys "<regime> N=<n> K=<k> rows/expert=<r>" (`table_key`), fallbacks "prefill" and
+# "decode" (any shape). On NVIDIA_H200.json those are the launches tuned at k3-slice, under its
+# two GEMMs' keys too (N=6144 K=3584 and N=3584 K=3072; 256 rows per expert at prefill, 2 at
+# decode: 8,192 and 64 tokens).
+TUNED_DIR = Path(__file__).with_name("tuned")
 
 
 # Decode tiles (16 rows, weights streamed once) up to this many slots per expert on average.
@@ -176,21 +172,31 @@ def regime(num_rows: int, num_experts: int) -> str:
     return "decode" if num_rows <= DECODE_ROWS_PER_EXPERT * num_experts else "prefill"
 
 
-def launch_config(num_rows: int, num_experts: int, weights: str = "bf16") -> dict:
+def table_key(num_rows: int, num_experts: int, n: int, k: int) -> str:
+    """The tuned-table key of a grouped GEMM of num_rows sorted rows over num_experts experts,
+    n outputs and k inputs: its regime, N and K, and its rows per expert (a power of two, so
+    the decode sizes, at most DECODE_ROWS_PER_EXPERT, stay apart from the prefill ones)."""
+    shape = f"{regime(num_rows, num_experts)} N={n} K={k}"
+    return tuned.make_key(shape, "rows/expert", -(-num_rows // max(num_experts, 1)))
+
+
+def launch_config(num_rows: int, num_experts: int, weights: str = "bf16",
+                  nk: tuple[int, int] | None = None) -> dict:  # fmt: skip
     """Tiles by the mean rows per expert (host integers): decode (a few rows per expert, the
     weights streamed once, memory bound) takes 16-row tiles and long K steps; prefill larger
-    tiles. The current GPU's tuned table (`k3batch bench moe --sweep` measures one) overrides
-    the defaults; weights: "bf16" or "mxfp4" (the tuned formats), or any other name for the
-    defaults (fp32 inputs: a bf16 table's tiles can exceed shared memory at twice the bytes).
-    The defaults' block_t is this kernel's: the W4A16 kernel takes one from its table only."""
+    tiles. The current GPU's tuned table overrides the defaults: the entry of this GEMM's
+    shape, nk = (N, K), at the nearest rows per expert, else the regime's entry
+    (`k3kernels.tuned.lookup`). weights: "bf16" or "mxfp4" (the tuned formats), or any other
+    name for the defaults (fp32 inputs: a bf16 table's tiles can exceed shared memory at twice
+    the bytes). The defaults' block_t is this kernel's: the W4A16 kernel takes one from its
+    table only."""
     kind = regime(num_rows, num_experts)
-    tuned = {}
-    if not INTERPRETED and torch.cuda.is_available():
-        tuned = tuned_configs(torch.cuda.get_device_name()).get(weights, {}).get(kind, {})
+    key = table_key(num_rows, num_experts, *nk) if nk else None
+    found = tuned.lookup(tuned.gpu_path(TUNED_DIR), weights, key, fallback=(kind,))
     defaults = dict(DEFAULT_CONFIGS[kind])
     if weights == "mxfp4":
         defaults.pop("block_t", None)
-    return defaults | tuned
+    return defaults | found
 
 
 def block_e(num_experts: int) -> int:
@@ -223,7 +229,7 @@ def grouped_mm_triton(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Ten
     M, K = x_MK.shape
     E, N, _ = w_ENK.shape
     weights = "bf16" if x_MK.dtype == torch.bfloat16 else str(x_MK.dtype)
-    cfg = launch_config(M, E, weights) | config
+    cfg = launch_config(M, E, weights, nk=(N, K)) | config
     block_m, block_n, block_k = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     block_t = cfg.get("block_t", 0)
     out = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)

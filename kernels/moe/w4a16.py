@@ -280,7 +280,7 @@ def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
         raise ValueError(f"MXFP4 packed values and scales need unit last strides and a width "
                          f"that is a multiple of 8 (K = {K})")  # fmt: skip
     M = x_MK.shape[0]
-    cfg = launch_config(M, E, "mxfp4") | config
+    cfg = launch_config(M, E, "mxfp4", nk=(N, K)) | config
     if cfg["block_k"] % GROUP_SIZE:
         raise ValueError(f"block_k = {cfg['block_k']} must be a multiple of {GROUP_SIZE}")
     block_t = cfg.get("block_t", 0)
