@@ -1,6 +1,8 @@
 """The `k3batch` command line. Each command parses flags, builds typed config and calls one
 library function."""
 
+from pathlib import Path
+
 import click
 
 from k3batch.bench.cli import bench
@@ -238,8 +240,32 @@ def eval_cmd(suite, lm_eval_tasks, include_path, num_fewshot, limit, seed, job_f
               show_default=True,
               help="Routed experts in memory: auto as the checkpoint stores them (k3 MXFP4, "
                    "Kimi Linear bf16); mxfp4 as `init-checkpoint --experts mxfp4` keeps them.")
+@click.option("--estimate", is_flag=True,
+              help="Estimate a job on a cluster: every layout that fits (or the one of --pp/--tp/"
+                   "--dcp) run on a simulated clock; see docs/planning.md.")  # fmt: skip
+@click.option("--cluster", default=None,
+              help="--estimate: a preset (h200x8, h200x8x4, gb300x4x2, gb300-nvl72) or a TOML/JSON "
+                   "file (default: one node of --gpu).")  # fmt: skip
+@click.option("--nodes", default=None, type=int, help="--estimate: nodes of the cluster.")
+@click.option("--job", "job_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="--estimate: a job spec; its input files' prompts (tokenized as the job does), "
+                   "sampling and engine settings are the workload.")  # fmt: skip
+@click.option("--num-prompts", default=1_000_000, show_default=True, type=int,
+              help="--estimate without --job.")
+@click.option("--input-len", default=8192, show_default=True, type=int,
+              help="--estimate without --job: prompt tokens.")  # fmt: skip
+@click.option("--output-len", default=1024, show_default=True, type=int,
+              help="--estimate without --job: new tokens.")  # fmt: skip
+@click.option("--max-num-seqs", default=0, type=int,
+              help="--estimate without --job: the engine's (0: as the engine sizes it).")
+@click.option("--chunk-size", default=None, type=int,
+              help="--estimate without --job: the engine's (default 8192).")  # fmt: skip
+@click.option("--calibration", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="--estimate: the calibration table (default benchmarks/calibration_h200.jsonl).")
 def plan_cmd(flavor, model_dir, gpu, pp, tp, dcp, min_requests, memory_fraction, page_size,
-             context_len, cache_gib, reserve_gib, experts):  # fmt: skip
+             context_len, cache_gib, reserve_gib, experts, estimate, cluster, nodes, job_path,
+             num_prompts, input_len, output_len, max_num_seqs, chunk_size,
+             calibration):  # fmt: skip
     """Print weights and cache bytes per GPU and the context capacity of a layout.
 
     With --pp, --tp or --dcp: that layout (the others at their defaults; --tp 1 alone is one
@@ -258,6 +284,13 @@ def plan_cmd(flavor, model_dir, gpu, pp, tp, dcp, min_requests, memory_fraction,
         with_experts,
     )
 
+    if estimate:
+        _estimate(flavor=flavor, model_dir=model_dir, gpu=gpu, pp=pp, tp=tp, dcp=dcp,
+                  memory_fraction=memory_fraction, reserve_gib=reserve_gib, experts=experts,
+                  cluster=cluster, nodes=nodes, job_path=job_path, num_prompts=num_prompts,
+                  input_len=input_len, output_len=output_len, max_num_seqs=max_num_seqs,
+                  chunk_size=chunk_size, calibration=calibration)  # fmt: skip
+        return
     search = pp is None and tp is None and dcp is None
     if search and cache_gib is not None:
         raise click.UsageError(
@@ -295,6 +328,50 @@ def plan_cmd(flavor, model_dir, gpu, pp, tp, dcp, min_requests, memory_fraction,
         return
     click.echo(str(found))
     if found.chosen is None:
+        raise click.ClickException("no layout fits: see the table above")
+
+
+def _estimate(*, flavor, model_dir, gpu, pp, tp, dcp, memory_fraction, reserve_gib, experts,
+              cluster, nodes, job_path, num_prompts, input_len, output_len, max_num_seqs,
+              chunk_size, calibration) -> None:  # fmt: skip
+    """`plan --estimate`: see `k3batch.sim.estimate`."""
+    from k3batch.engine.config import EngineConfig
+    from k3batch.model.config import K3Config
+    from k3batch.parallel.plan import GiB, checkpoint_config, with_experts
+    from k3batch.sim.calibration import Calibration
+    from k3batch.sim.cluster import cluster_from
+    from k3batch.sim.estimate import DEFAULT_TABLE, estimate_job
+    from k3batch.sim.workload import Workload, workload_from_job
+
+    try:
+        spec_cluster = cluster or f"{gpu}x{8 if gpu != 'gb300' else 4}"
+        where = cluster_from(spec_cluster, nodes=nodes)
+        if job_path:
+            from k3batch.driver.jobspec import load_job_spec
+
+            job = load_job_spec(job_path)
+            workload = workload_from_job(job)
+            engine_config, model_dir = job.engine, model_dir or job.model
+        else:
+            workload = Workload.fixed(num_prompts, input_len, output_len)
+            engine_config = EngineConfig(max_num_seqs=max_num_seqs, chunk_size=chunk_size or 8192)
+        config = K3Config.from_hf(model_dir) if model_dir else checkpoint_config(flavor)
+        config = with_experts(config, experts)
+        table = calibration or DEFAULT_TABLE
+        if not Path(table).exists():
+            raise ValueError(f"no calibration table at {table}: give --calibration (a table "
+                             "written by `k3batch bench calibrate`)")  # fmt: skip
+        layouts = None
+        if pp is not None or tp is not None or dcp is not None:
+            layouts = [(pp or 1, tp or 8, dcp or 1)]
+        result = estimate_job(config, model_dir or flavor, where, workload,
+                              calibration=Calibration.load(table), engine_config=engine_config,
+                              layouts=layouts, memory_fraction=memory_fraction,
+                              reserve_bytes=int(reserve_gib * GiB))  # fmt: skip
+    except (ValueError, KeyError) as e:
+        raise click.UsageError(str(e)) from None
+    click.echo(str(result))
+    if result.best is None:
         raise click.ClickException("no layout fits: see the table above")
 
 

@@ -294,12 +294,14 @@ def make_plan(
     context_len: int = 1 << 20,
     cache_bytes: int | None = None,
     reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+    gpu_bytes: int | None = None,
 ) -> Plan:
     """The plan of `config` on `gpu` GPUs with pp prefill stages and a tp x dcp decode group.
-    `cache_bytes` (per GPU) overrides the pool computed from memory. Raises ValueError on a
-    bad layout or value; weights that do not fit are reported in `Plan.problems`."""
+    `cache_bytes` (per GPU) overrides the pool computed from memory; `gpu_bytes` the memory of
+    a GPU that `GPUS` does not know (one given by its rates). Raises ValueError on a bad layout
+    or value; weights that do not fit are reported in `Plan.problems`."""
     config.validate()
-    if gpu not in GPUS:
+    if gpu not in GPUS and gpu_bytes is None:
         raise ValueError(f"gpu = {gpu!r} unknown; known: {', '.join(GPUS)}")
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction = {memory_fraction} must be in (0, 1]")
@@ -325,7 +327,7 @@ def make_plan(
     num_kda = len(layout.kda_layers)
     pages = layout.request_pages(context_len, dcp_size)
     request = layout.request_bytes(context_len, dcp_size)
-    gpu_bytes = int(GPUS[gpu])
+    gpu_bytes = int(GPUS[gpu] if gpu_bytes is None else gpu_bytes)
     usable = int(gpu_bytes * memory_fraction)
     problems = []
     for what, nbytes in _sides(pp_size == tp_size == 1, prefill, decode):

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Issue 54 on one lent GPU, in one device call (after `source benchmarks/device_env.sh`):
+#   bash benchmarks/kimi_linear_job_gpu.sh [SECONDS] [tests,diag,tune,job,job-warm]
+# diag: benchmarks/prefill_host_gpu.py on an 8K prefill (host enqueue vs GPU time, and syncs);
+# tests: the GPU kernel tests at Kimi Linear's shapes against their fp32 references;
+# tune: `bench moe --sweep --save-tuned` at its prefill (8,192 tokens) and decode (16 and 256)
+#   expert shapes, bf16 and MXFP4, into this GPU's tuned table (copied to $OUT/tuned);
+# job: `bench job --flavor kimi-linear --experts mxfp4` at 1,024 prompts of 1K in / 256 out
+#   (cold: checkpoint written, Triton cache as carried), then job-warm: the same job again with
+#   the checkpoint and the compiled kernels in place (no engine-alone run).
+set -u
+budget=${1:-570}
+parts=${2:-tests,diag,tune,job,job-warm}
+t0=$SECONDS
+left() { echo $((budget - (SECONDS - t0))); }
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+git rev-parse --short HEAD 2>/dev/null >> "$OUT/gpu.txt"
+if [[ $parts == *tests* ]]; then
+  echo "=== tests ($(left) s left)"
+  timeout $(( $(left) < 200 ? $(left) : 200 )) python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/kernels/test_moe.py tests/kernels/test_mla_prefill.py tests/kernels/test_mla_decode.py \
+    -k kimi 2>&1 | tail -20 | tee "$OUT/kimi_kernel_tests.txt"
+fi
+if [[ $parts == *diag* ]]; then
+  echo "=== diag ($(left) s left)"
+  for args in "--tokens 8192" "--tokens 8192 --seqs 8"; do
+    timeout 120 python3 benchmarks/prefill_host_gpu.py --flavor kimi-linear --experts mxfp4 $args \
+      2>&1 | grep -v Warning
+  done 2>&1 | tee "$OUT/prefill_host_gpu.txt"
+fi
+if [[ $parts == *tune* ]]; then
+  for row in "mxfp4 8192" "mxfp4 256" "mxfp4 16" "bf16 8192" "bf16 256"; do
+    read -r dtype tokens <<<"$row"
+    [ "$(left)" -lt 90 ] && { echo "skipped (time): tune $row"; continue; }
+    echo "=== tune $row ($(left) s left)"
+    timeout 120 python3 -m k3batch.cli bench moe --flavor kimi-linear --layers 2 --tokens "$tokens" \
+      --expert-dtype "$dtype" --repeats 5 --rounds 2 --sweep --save-tuned \
+      --json "$OUT/moe_kimi_linear_sweep.jsonl" 2>&1 | grep -v Warning | tail -8
+  done 2>&1 | tee -a "$OUT/moe_kimi_linear_tune.txt"
+  mkdir -p "$OUT/tuned" && cp kernels/moe/tuned/*.json "$OUT/tuned/"
+fi
+for part in job job-warm; do
+  [[ ",$parts," == *",$part,"* ]] || continue
+  [ "$(left)" -lt 120 ] && { echo "skipped (time): $part"; continue; }
+  extra=""; [ $part = job-warm ] && extra="--no-engine"
+  echo "=== $part ($(left) s left)"
+  timeout $(left) python3 -m k3batch.cli bench job --flavor kimi-linear --experts mxfp4 \
+    --device cuda --work-dir /tmp/kl-job --num-prompts 1024 --input-len 1024 --output-len 256 \
+    $extra --json "$OUT/job_kimi_linear.jsonl" 2>&1 | grep -v Warning | tail -12
+done 2>&1 | tee -a "$OUT/job_kimi_linear.txt"
+save_autotune
