@@ -111,6 +111,27 @@ class Calibration:
                    peak_bytes_per_s=first["peak_bytes_per_s"], points=points,
                    header=first)  # fmt: skip
 
+    @classmethod
+    def merge(cls, tables) -> "Calibration":
+        """One table from several of one GPU and the same peak rates, e.g. k3's and k3-slice's
+        (k3-slice has K3's widths: its kda, mla, dense_ffn and embed are k3's, its moe,
+        attn_res and head its own): a later table's points of a (part, phase, tp, dcp,
+        experts) replace every earlier point of that key, so no key mixes two tables. The
+        header is the first table's. Raises ValueError naming what differs."""
+        tables = list(tables)
+        first, points = tables[0], list(tables[0].points)
+        for t in tables[1:]:
+            for k in ("gpu", "peak_flops", "peak_bytes_per_s"):
+                if getattr(t, k) != getattr(first, k):
+                    raise ValueError(f"tables differ in {k}: {getattr(first, k)!r} != "
+                                     f"{getattr(t, k)!r}")  # fmt: skip
+            later = {_key(p) for p in t.points}
+            points = [p for p in points if _key(p) not in later] + list(t.points)
+        flavors = ", ".join(str(t.header.get("flavor", "?")) for t in tables)
+        return cls(gpu=first.gpu, peak_flops=first.peak_flops,
+                   peak_bytes_per_s=first.peak_bytes_per_s, points=points, header=first.header,
+                   source=f"{first.source} (tables of {flavors}, merged)")  # fmt: skip
+
     def efficiency(self, p: Point) -> float:
         """The point's roofline time at this table's rates over its time."""
         return roofline_s(p.flops, p.bytes, self.peak_flops, self.peak_bytes_per_s) / (p.ms / 1e3)
@@ -164,6 +185,10 @@ class Calibration:
                   f"({getattr(gpu, 'source', 'rates given')})")  # fmt: skip
         return Calibration(gpu=gpu.name, peak_flops=f, peak_bytes_per_s=b, points=points,
                            header=self.header, source=source)  # fmt: skip
+
+
+def _key(p: Point) -> tuple:
+    return p.part, p.phase, p.tp, p.dcp, p.experts
 
 
 def _y(part: str, phase: str, tokens: int, seqs: int, context_tokens: int) -> float:
