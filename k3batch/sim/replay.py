@@ -22,6 +22,12 @@ from k3batch.sim.clock import SimPipeline, drive
 from k3batch.sim.cost import LinkCost, StepCost, build_replica
 
 
+def forward_shapes(clock) -> set[tuple[str, int, int]]:
+    """(phase, tokens, sequences) of every forward on the clock."""
+    return {(s.kind, sum(s.seq_lens), len(s.seq_lens)) for s in clock.trace
+            if s.kind in ("prefill", "decode")}  # fmt: skip
+
+
 def _prompts(gen, n: int, length: int, vocab: int) -> list[list[int]]:
     return [torch.randint(1, vocab, (length,), generator=gen).tolist() for _ in range(n)]
 
@@ -34,8 +40,8 @@ def sim_engine(config, calibration, cluster, *, batch: int, prompt_len: int, new
     from the step that admits them until none is in prefill, then a wait for the device
     (tokens/s from the median); one more prefill whose requests go on to the timed decode
     (step = decode time / (new_tokens - 1)). The warm-up (compilation) has nothing to simulate.
-    Returns prefill_tok_s, decode_step_ms, and per timed prefill (seconds, the forwards' summed
-    seconds on the clock, engine steps)."""
+    Returns prefill_tok_s, decode_step_ms, per timed prefill (seconds, the forwards' summed
+    seconds on the clock, engine steps), and the forwards' shapes."""
     cfg = EngineConfig(max_num_seqs=batch, max_seq_len=prompt_len + new_tokens + 1,
                        chunk_size=chunk_size, max_batch_tokens=max(chunk_size, GPU_BATCH_TOKENS),
                        overlap=overlap)  # fmt: skip
@@ -75,7 +81,7 @@ def sim_engine(config, calibration, cluster, *, batch: int, prompt_len: int, new
         "prefill_tok_s": batch * prompt_len / statistics.median(r[0] for r in runs),
         "decode_step_ms": 1e3 * (clock.now - t) / max(new_tokens - 1, 1),
         "prefill_runs": runs, "decode_steps": decode_steps,
-        "max_num_seqs": engine.config.max_num_seqs,
+        "max_num_seqs": engine.config.max_num_seqs, "shapes": forward_shapes(clock),
     }  # fmt: skip
 
 
@@ -83,7 +89,7 @@ def sim_job(config, calibration, cluster, row: dict, *, experts: str, seed: int 
     """`bench job`'s workload through one replica on the virtual clock, the engine configured
     as the job's (`bench.job.run_job_bench`: max_seq_len, chunk_size) and sized as the job's
     replica sized it (the row's `sizing`: max_num_seqs, max_batch_tokens, arena bytes).
-    Returns output_tok_s over the run, seconds, engine steps."""
+    Returns output_tok_s over the run, seconds, engine steps, the forwards' shapes."""
     sizing = row.get("sizing") or {}
     cfg = EngineConfig(max_num_seqs=sizing.get("max_num_seqs", row.get("max_num_seqs", 0)),
                        max_seq_len=row["input_len"] + row["output_len"] + 1,
@@ -101,7 +107,8 @@ def sim_job(config, calibration, cluster, row: dict, *, experts: str, seed: int 
     tokens = sum(len(t.result.output_token_ids) for t in timed)
     steps = sum(1 for s in clock.trace if s.kind in ("prefill", "decode"))
     return {"output_tok_s": tokens / clock.now, "seconds": clock.now, "steps": steps,
-            "max_num_seqs": engine.config.max_num_seqs}  # fmt: skip
+            "max_num_seqs": engine.config.max_num_seqs,
+            "shapes": forward_shapes(clock)}  # fmt: skip
 
 
 def _chunks(prompt_len: int, chunk: int) -> list[tuple[int, int]]:

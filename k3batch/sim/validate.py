@@ -108,6 +108,26 @@ def _host_words(records_dir: Path) -> str:
             f"host_cpu.jsonl")  # fmt: skip
 
 
+def _outside(calibration, shapes, phases=("prefill", "decode")) -> str:
+    """Where the simulated forwards of `phases` lie outside the table's points (there
+    `part_s` extends the points' lines): token counts, and sequences per prefill forward."""
+    words = []
+    for phase in phases:
+        points = [p for p in calibration.points if p.phase == phase]
+        got = [(t, n) for kind, t, n in shapes if kind == phase]
+        if not points or not got:
+            continue
+        lo, hi = min(p.tokens for p in points), max(p.tokens for p in points)
+        least, most = min(t for t, _ in got), max(t for t, _ in got)
+        if least < lo or most > hi:
+            span = f"{least:,}" if least == most else f"{least:,}-{most:,}"
+            words.append(f"{phase} forwards of {span} tokens (points {lo:,}-{hi:,})")
+        seqs, top = max(n for _, n in got), max(p.seqs for p in points)
+        if phase == "prefill" and seqs > top:
+            words.append(f"prefill forwards of up to {seqs} sequences (points to {top})")
+    return f"; extended beyond the table's points: {', '.join(words)}" if words else ""
+
+
 def _judged(check: Check, why: str) -> Check:
     """check with its explanation where it misses."""
     return dataclasses.replace(check, why=why) if check.verdict == "MISS" else check
@@ -157,7 +177,7 @@ def engine_checks(config, calibration, cluster, records_dir: Path = BENCH,
                    f"from the recording's ({_when(row)})")  # fmt: skip
         check = Check("engine", prefill, sim["prefill_tok_s"], row["prefill_tokens_per_s"],
                       TOLERANCE["engine"], src)  # fmt: skip
-        out.append(_judged(check, why))
+        out.append(_judged(check, why + _outside(calibration, sim["shapes"], ["prefill"])))
         gap = row["decode_step_ms"] - sim["decode_step_ms"]
         if not row.get("graphs"):
             why = (f"recorded eagerly (no CUDA graphs; {_when(row)}): the host's kernel "
@@ -173,7 +193,8 @@ def engine_checks(config, calibration, cluster, records_dir: Path = BENCH,
                    f"step's one graph, or the kernels differ from the recording's "
                    f"({_when(row)})")  # fmt: skip
         out.append(_judged(Check("engine", decode, sim["decode_step_ms"], row["decode_step_ms"],
-                                 TOLERANCE["engine"], src), why))  # fmt: skip
+                                 TOLERANCE["engine"], src),
+                           why + _outside(calibration, sim["shapes"], ["decode"])))  # fmt: skip
     return out
 
 
@@ -193,6 +214,7 @@ def job_checks(config, calibration, cluster, records_dir: Path = BENCH,
     except KeyError as e:
         return [_missing("job", f"{name}: {what}", value, src, e) for what, value in measured]
     out, host, tokens = [], _host_words(records_dir), row["num_prompts"] * row["output_len"]
+    outside = _outside(calibration, sim["shapes"])
     for what, value in measured:
         gap = 1e3 * (tokens / value - sim["seconds"]) / sim["steps"]
         if gap > 0:
@@ -204,7 +226,7 @@ def job_checks(config, calibration, cluster, records_dir: Path = BENCH,
                    f"more than the recording's: the parts alone overstate the forwards, or the "
                    f"kernels differ from the recording's ({_when(row)})")  # fmt: skip
         out.append(_judged(Check("job", f"{name}: {what}", sim["output_tok_s"], value,
-                                 TOLERANCE["job"], src), why))  # fmt: skip
+                                 TOLERANCE["job"], src), why + outside))  # fmt: skip
     return out
 
 
