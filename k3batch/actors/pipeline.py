@@ -2,8 +2,10 @@
 group) over P PrefillStageActors, behind the engine's runner protocol (`engine/runner.py`).
 
 `submit` sends one batch to every stage (stage 0 gets the token ids) and returns immediately;
-up to P batches are in flight, so all stages work at once. `bubble()` turns the stages'
-compute intervals into busy fractions and the pipeline bubble.
+up to P batches are in flight, so all stages work at once. `export_request` queues a finished
+request's handoff to the decode group on every stage, behind its batches; `exported` says
+whether all have run it (then the decode ranks can receive it without waiting). `bubble()`
+turns the stages' compute intervals into busy fractions and the pipeline bubble.
 
 Every wait is bounded (`placement.get_within`): a dead stage raises at once in `wait`, a hung
 one raises TimeoutError after `call_timeout_s`; the replica then goes down and is rebuilt.
@@ -66,7 +68,9 @@ class PipelineRunner:
 
     def export_request(self, block: int, pages: list[int], num_tokens: int) -> list:
         """Every stage sends its layers of one request to the decode ranks (over the replica's
-        group); per decode rank, the refs of its manifests from every stage, in stage order."""
+        group); per decode rank, the refs of its manifests from every stage, in stage order.
+        A stage runs the export after the calls queued before it (the engine imports once
+        `exported`); its sends wait for the ranks' receives (`DecodeRankActor.import_request`)."""
         n = self.num_decode_ranks
         refs = [
             s.export_request.options(num_returns=n).remote(block, pages, num_tokens)
@@ -74,6 +78,17 @@ class PipelineRunner:
         ]
         refs = [r if n > 1 else [r] for r in refs]
         return [[stage_refs[r] for stage_refs in refs] for r in range(n)]
+
+    def exported(self, sent: list) -> bool:
+        """Whether every stage has run this export (`export_request`'s answer): the decode
+        ranks' import would not wait. A stage that failed counts as done (its import raises).
+        One ref per stage is enough: a call's returns all arrive when it ends."""
+        done, _ = ray.wait(sent[0], num_returns=len(sent[0]), timeout=0)
+        return len(done) == len(sent[0])
+
+    def wait_exported(self, sent: list) -> None:
+        """Block until every stage has run this export; a failed or hung stage raises."""
+        get_within(sent[0], self.call_timeout_s, self.labels)
 
     def request_tensors(self, block: int, pages: list[int], num_tokens: int) -> dict:
         """Every stage's cache of one request, merged by layer."""

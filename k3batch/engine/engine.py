@@ -10,7 +10,10 @@ launched before the host takes the tokens of the step before it (`overlap`, see 
 
 Disaggregated, the two sides run at their own pace: prefill batches stay in flight across
 steps, a step waits for one only when it has no decode step to run (an 8,192-token chunk takes
-about ten decode steps' time), and each side has its own `max_num_seqs` (`_num_admitted`).
+about ten decode steps' time), and each side has its own `max_num_seqs` (`_num_admitted`). A
+finished prompt's handoff is split in two (`_handoff`): its export is queued on the stages at
+once, and the decode group imports it only once every stage has run it, so decode steps never
+queue behind the prefill batches that the export itself waits for.
 
 Memory: each runner's arenas form one account (`cache.manager.CacheManager`; a separate one
 for the decode group). A request is admitted when its KDA block and its prompt's pages fit;
@@ -30,6 +33,7 @@ engine's and propagates.
 import contextlib
 import logging
 from collections import deque
+from typing import NamedTuple
 
 import torch
 
@@ -45,6 +49,14 @@ log = logging.getLogger(__name__)
 SCRATCH = "\0scratch"  # the decode group's padding rows (see `_decode`)
 
 
+class _Export(NamedTuple):
+    """A request whose export is queued on the prefill stages, not yet imported (`_handoff`)."""
+
+    req: Request
+    sent: object  # what `runner.export_request` returned
+    after: int  # prefill batches submitted before it (the stages run it after those)
+
+
 class Engine:
     def __init__(
         self,
@@ -58,9 +70,9 @@ class Engine:
     ):
         """model: a K3Model run on its own device; or None with a `runner` (a pipeline).
         decode_runner: a separate decode group; requests are handed off to it when their
-        prompt is done (`runner.export_request`, then `decode_runner.import_request`: the
-        prefill side must be a runner that can send, a pipeline of stage actors), and prefill
-        and decode batches then run at the same time.
+        prompt is done (`runner.export_request`; once `runner.exported`, then
+        `decode_runner.import_request`: the prefill side must be a runner that can send, a
+        pipeline of stage actors), and prefill and decode batches then run at the same time.
         stop_check(stop strings, output token ids) -> bool: whether the output's text holds one
         of the strings (the caller knows the tokenizer); needed for requests with `stop`."""
         config = (config or EngineConfig()).validate()
@@ -91,6 +103,8 @@ class Engine:
         self._pending: dict[tuple[int, ...], str] = {}
         self._errors: list[GenerationResult] = []
         self._prefilling: deque = deque()  # disaggregated: prefill batches in flight, oldest first
+        self._num_prefills = 0  # disaggregated: prefill batches submitted so far
+        self._exports: deque[_Export] = deque()  # disaggregated: exports in flight, oldest first
         # Overlapped decode (one runner that takes device tokens): the decode step whose tokens
         # are still on their way to the host, (requests, Sampled).
         self.overlap = (config.overlap and decode_runner is None
@@ -191,11 +205,13 @@ class Engine:
             prefill = [r for r in self.running if r.phase is Phase.PREFILL]
             self.last_step_prefill = bool(prefill or self._prefilling)
             free = self.runner.depth - len(self._prefilling)
-            self._prefilling.extend(self._submit_prefills(prefill, free))
+            submitted = self._submit_prefills(prefill, free)
+            self._prefilling.extend(submitted)
+            self._num_prefills += len(submitted)
             if decoding := self._make_room(self.decode_pool):
                 self._decode(decoding, self.decode_runner, self.decode_pool)
-            elif self._prefilling:  # nothing else to wait for
-                self._finish_prefills([self._prefilling.popleft()])
+            elif self._prefilling or self._exports:  # nothing else to wait for
+                self._wait_pipeline()
             while self._prefilling and self.runner.ready(self._prefilling[0][3]):
                 self._finish_prefills([self._prefilling.popleft()])
             self._handoff()
@@ -207,6 +223,9 @@ class Engine:
         return done
 
     def _drop(self, req: Request) -> None:
+        # Nothing fails or retracts a request whose export is in flight (its prefill is done,
+        # it takes no decode step): its decode memory must stay until its import is queued.
+        assert all(e.req is not req for e in self._exports), req.request_id
         self.running.remove(req)
         for prefix in [k for k, rid in self._pending.items() if rid == req.request_id]:
             del self._pending[prefix]
@@ -244,16 +263,23 @@ class Engine:
                         self._pending.setdefault(tuple(ids[:p]), req.request_id)
 
     def _num_admitted(self) -> int:
-        """Requests that count against admission: all running ones on one runner; those not
-        yet handed off with a decode group (decoding ones count against the handoff)."""
+        """Requests that count against admission: all running ones on one runner; with a
+        decode group, those that hold prefill memory (decoding ones and those whose import is
+        pending hold decode memory: they count against the handoff, `_num_decoding`)."""
         if self.decode_runner is None:
             return len(self.running)
-        return sum(r.phase is not Phase.DECODE for r in self.running)
+        return sum(r.phase is not Phase.DECODE for r in self.running) - len(self._exports)
+
+    def _num_decoding(self) -> int:
+        return sum(r.phase is Phase.DECODE for r in self.running) + len(self._exports)
 
     def _make_room(self, pool: CacheManager) -> list[Request]:
         """The decoding requests of `pool`, each with a page for its next token; when pages
         run out the youngest is retracted (oldest requests keep going). A request whose token
-        in flight (overlapped decode) is its last by length takes no further step."""
+        in flight (overlapped decode) is its last by length takes no further step. When the
+        decode group's pages run out with imports pending, those are imported first (waiting
+        for their exports), so retraction chooses among every request that holds decode
+        memory, as if they had been imported at once."""
         pending = self._pending_rows()
         decoding = [
             r for r in self.running
@@ -264,6 +290,9 @@ class Engine:
         while i < len(decoding):  # decoding[i + 1:] may shrink from the end (retractions)
             req = decoding[i]
             while not pool.grow(req.request_id, req.num_computed + 1):
+                if self._exports:  # the decode group's pool: see above
+                    self._import_exports(flush=True)
+                    return self._make_room(pool)
                 victim = decoding.pop()
                 if victim is req and not decoding:
                     n = req.num_computed + 1
@@ -290,15 +319,41 @@ class Engine:
 
     def _handoff(self) -> None:
         """Move prefilled requests to the decode group, in order, while they fit there (its
-        arena, and max_num_seqs decoding requests: its batch bound)."""
-        decoding = sum(r.phase is Phase.DECODE for r in self.running)
-        for req in [r for r in self.running if r.phase is Phase.HANDOFF]:
+        arena, and max_num_seqs requests decoding or with an import pending: its batch bound).
+
+        In two halves, so that neither side waits for the other. Export: the request gets its
+        decode memory, every stage is asked to send its layers (`runner.export_request`), and
+        its prefill block and pages are freed at once (a stage copies the request into its
+        send buffers when the export runs, before any later forward or move that could reuse
+        them). The export runs on each stage after the prefill batches already queued there
+        (up to `depth` of them), so the request stays in HANDOFF, in `_exports`. Import: once
+        every stage has run it (`runner.exported`, checked without waiting), the decode group
+        receives it (`decode_runner.import_request`) and it decodes from the next step.
+        Imports go in export order: a stage's sends to one rank match the rank's receives in
+        the order posted. Importing at once instead had each rank block in the import until
+        the stages reached the export, and every decode step queued behind it (in a K3 PP16
+        -> TP16/DCP16 simulation, up to 11 s per handoff).
+
+        No deadlock: stage s's isend to a rank stays unmatched until the rank posts its irecv,
+        which it does only for an import, after every stage's export of that request has run,
+        as when the import was queued at once (the rank then waited for all the manifests
+        before posting any irecv); the stages never wait for a handoff send to complete
+        before their next call, and a rank's import waits only for manifests that exist.
+        Failures: a stage that died counts as `exported` (its manifest is an error), the
+        ranks' import fails and marks them broken, so the next decode step raises; a hung one
+        leaves the export pending until the engine has nothing else to do and `wait_exported`
+        times out. Either way the replica goes down with its requests, as before. A request
+        leaves `_exports` only by its import (see `_drop`), so it stays in `running` and
+        `has_unfinished` holds until it decodes."""
+        decoding = self._num_decoding()
+        exporting = {e.req for e in self._exports}
+        for req in [r for r in self.running if r.phase is Phase.HANDOFF and r not in exporting]:
             if decoding >= self.config.max_num_seqs:
-                return
+                break
             rid = req.request_id
             if self.decode_pool.admit(rid, [], req.num_computed + 1) is None:
                 if self.decode_pool.num_requests > 1:
-                    return  # wait for room
+                    break  # wait for room
                 n = req.num_computed + 1  # only the scratch is there: it can never fit
                 self._abort(req, f"request of {n} tokens does not fit in the decode group's pool")
                 continue
@@ -306,13 +361,37 @@ class Engine:
             sent = self.runner.export_request(
                 self.pool.block_of(rid), self.pool.pages_of(rid), req.num_computed
             )
+            self.pool.release(rid)
+            self._exports.append(_Export(req, sent, self._num_prefills))
+            decoding += 1
+        self._import_exports()
+
+    def _import_exports(self, flush: bool = False) -> None:
+        """Import the exports that every stage has run, oldest first (all of them, waiting
+        for each: `flush`), each into its decode block and pages as they are now (moves
+        queued before it are applied first)."""
+        while self._exports:
+            if flush:
+                self.runner.wait_exported(self._exports[0].sent)
+            elif not self.runner.exported(self._exports[0].sent):
+                return
+            req, sent, _ = self._exports.popleft()
+            rid = req.request_id
             self.decode_runner.apply(self.decode_pool.drain())
             self.decode_runner.import_request(
                 self.decode_pool.block_of(rid), self.decode_pool.pages_of(rid), sent
             )
-            self.pool.release(rid)
             req.phase = Phase.DECODE
-            decoding += 1
+
+    def _wait_pipeline(self) -> None:
+        """With no decode step to run: block on what the pipeline finishes first, its oldest
+        prefill batch or its oldest export. A stage runs its calls in the order issued, so
+        that is the one issued first (`done`: the prefill batches taken, oldest first)."""
+        done = self._num_prefills - len(self._prefilling)
+        if self._exports and self._exports[0].after <= done:
+            self.runner.wait_exported(self._exports[0].sent)
+        else:
+            self._finish_prefills([self._prefilling.popleft()])
 
     # ---- prefill --------------------------------------------------------------------------
     def _submit_prefills(self, reqs: list[Request], max_batches: int) -> list:

@@ -22,12 +22,17 @@ Time (seconds; `clock.now` is where the host, the engine, stands):
   that, then sends and ends), travels on s's link once that is free and s + 1 is free to
   receive (a stage receives inside its call: a rendezvous), and takes stream_s(s, batch). Up
   to P batches are in flight, as the engine submits them.
-- The handoff: `export_request` runs on every stage after its queued forwards; stage s's sends
-  of its layers to the decode ranks go on its link (after its earlier sends: a stage's sends
-  share its bandwidth) once the decode group's import has begun (the ranks receive inside
-  their call, which starts after their queued decode steps) and take handoff_s(s, num_tokens);
-  the decode group is busy until the last stage's data arrives. The copies into and out of the
-  send buffers are not charged; neither are `apply`'s moves.
+- The handoff: `export_request` runs on every stage after its queued forwards (at once, on
+  the clock: the copies into the send buffers are not charged); `exported` says whether every
+  stage has, `wait_exported` moves the clock there. Stage s's sends of its layers to the decode
+  ranks go once the decode group's import has begun (the ranks receive inside their call,
+  which starts after their queued decode steps) and the export has run, after the stage's
+  earlier handoff sends (they share its bandwidth; its stream to the next stage goes to
+  another peer, on its own timeline), and take handoff_s(s, num_tokens); the decode group is
+  busy until the last stage's data arrives. The engine imports only what is `exported`, so the
+  group is busy for the transfer alone; an import called before would hold it, as it holds the
+  real ranks, until the stages reach the export. The copies out of the buffers are not
+  charged; neither are `apply`'s moves.
 - A decode group (SimDecodeGroup): its ranks in lockstep, one timeline; the cost holds its
   collectives.
 - Host time (`drive`): an optional cost per engine step, spent after the step's wait, so an
@@ -183,8 +188,8 @@ class SimRunner:
 class SimPipeline:
     """PipelineRunner's twin: P stages of layer_ranges[s] = [first, last) each (depth P), each
     on one device with its own arena; with a decode group, `export_request` hands requests to
-    it (`SimDecodeGroup.import_request`). engine_config is sized as `actors.build` sizes it
-    on GPUs (max_num_seqs GPU_GROUP_SEQS when 0)."""
+    it (once `exported`: `SimDecodeGroup.import_request`). engine_config is sized as
+    `actors.build` sizes it on GPUs (max_num_seqs GPU_GROUP_SEQS when 0)."""
 
     dcp_size = 1
 
@@ -213,7 +218,8 @@ class SimPipeline:
         self._handoff_s = handoff_s or (lambda s, num_tokens: 0.0)
         self._free = [0.0] * n  # when stage s's calls so far have returned
         self._sent = [0.0] * n  # when stage s's last stream send arrived
-        self._link = [0.0] * n  # when stage s's link is free (stream and handoff sends)
+        self._link = [0.0] * n  # when stage s's stream link (to s + 1) is free
+        self._handoff_link = [0.0] * n  # when stage s's handoff sends so far have arrived
 
     def cache_specs(self) -> list:
         return [c.spec for c in self.caches]
@@ -251,6 +257,13 @@ class SimPipeline:
         for s in range(self.depth):
             self._free[s] = max(self.clock.now, self._free[s])
         return _Export(self, tuple(self._free), num_tokens)
+
+    def exported(self, sent: "_Export") -> bool:
+        """Whether every stage has run this export (an import would not wait)."""
+        return max(sent.ready) <= self.clock.now
+
+    def wait_exported(self, sent: "_Export") -> None:
+        self.clock.advance_to(max(sent.ready))
 
     def bubble(self) -> dict:
         """As `PipelineRunner.bubble`: busy fraction per stage over the span from the first
@@ -312,8 +325,8 @@ class SimDecodeGroup:
         p, n = sent.pipeline, sent.num_tokens
         begin = done = max(self.clock.now, self._free)
         for s, ready in enumerate(sent.ready):
-            go = max(ready, begin, p._link[s])
-            p._link[s] = arrive = go + p._handoff_s(s, n)
+            go = max(ready, begin, p._handoff_link[s])
+            p._handoff_link[s] = arrive = go + p._handoff_s(s, n)
             self.clock.record(Span(p.name, s, "handoff", go, arrive, (n,)))
             done = max(done, arrive)
         self._free = done

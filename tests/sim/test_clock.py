@@ -7,9 +7,10 @@ pipeline, the overlapped decode hiding host time).
 Against the real runners: one device, LocalRunner on k3batch.testing.K3_MINI (the schedule does
 not depend on depth; k3-debug's 93 layers cost ten times as much); disaggregated, the Ray
 prefill pipeline (pp 2) and decode group (tp 2, dcp 2) of tests/parallel/test_decode_group.py.
-There the engine's schedule also depends on when a prefill batch is `ready`, a wall-clock
-fact: the real run is given the answers the simulation's clock gave (the real batch is waited
-for where the answer is yes), so both run one schedule and any difference is the runners'."""
+There the engine's schedule also depends on when a prefill batch is `ready` and a handoff's
+export has run on every stage (`exported`), wall-clock facts: the real run is given the
+answers the simulation's clock gave (the real batch or export is waited for where the answer is
+yes), so both run one schedule and any difference is the runners'."""
 
 import dataclasses
 import itertools
@@ -20,7 +21,7 @@ import torch
 from k3batch.actors.world import spawn_runners
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.engine import Engine
-from k3batch.engine.request import SamplingParams
+from k3batch.engine.request import Phase, SamplingParams
 from k3batch.engine.runner import LocalRunner
 from k3batch.model import get_flavor
 from k3batch.model.forward_batch import ForwardBatch
@@ -145,22 +146,31 @@ def _run(engine, prompts) -> dict:
     return out
 
 
+def _answering(runner, answers: list) -> None:
+    """Log the answers of `runner`'s non-blocking questions, (question, answer) in order."""
+    for name in ("ready", "exported"):
+        ask = getattr(runner, name)
+        setattr(runner, name, lambda x, ask=ask, name=name: (
+            answers.append((name, ask(x))) or answers[-1][1]))  # fmt: skip
+
+
 def test_disaggregated_schedule_is_the_real_runners(local_ray, mini_model_dir):
-    """pp 2 -> tp 2 / dcp 2 with prefill slower than a decode step (ready() says no several
-    times), a decode arena of 3 requests (retraction on the decode side) and six prompts. The
-    handoff's bytes per decode rank (`LinkCost.handoff_bytes`, from `sim.comm`) are what the
-    real ranks received."""
+    """pp 2 -> tp 2 / dcp 2 with prefill slower than a decode step (ready() and exported() say
+    no several times: decode steps run while a handoff's export waits behind prefill batches),
+    a decode arena of 3 requests (retraction on the decode side) and six prompts. The handoff's
+    bytes per decode rank (`LinkCost.handoff_bytes`, from `sim.comm`) are what the real ranks
+    received."""
     prompts = _prompts([11, 4, 23, 17, 30, 8], seed=5)
     clock = VirtualClock()
     sim_prefill, sim_decode = _sim_pd(clock)
     got, answers = [], []
     _record(sim_prefill, "prefill", got)
     _record(sim_decode, "decode", got)
-    ready = sim_prefill.ready
-    sim_prefill.ready = lambda h: answers.append(ready(h)) or answers[-1]
+    _answering(sim_prefill, answers)
     twin = Engine(None, PD, runner=sim_prefill, decode_runner=sim_decode)
     sim_out = _run(twin, prompts)
-    assert False in answers and True in answers
+    for name in ("ready", "exported"):
+        assert {(name, False), (name, True)} <= set(answers), name
 
     prefill, decode = spawn_runners(
         mini_model_dir, num_stages=PP, decode_layout=ParallelLayout(tp_size=TP, dcp_size=DCP),
@@ -171,11 +181,18 @@ def test_disaggregated_schedule_is_the_real_runners(local_ray, mini_model_dir):
         assert sim_decode.cache_specs() == decode.cache_specs()
         want, replay = [], iter(answers)
 
-        def real_ready(refs):  # the simulation's answer; a yes waits for the batch
-            answer = next(replay)
-            return answer and prefill.wait(refs) is not None
+        def replayed(name, wait):  # the simulation's answer; a yes waits for the real thing
+            def answer(x):
+                asked, yes = next(replay)
+                assert asked == name
+                if yes:
+                    wait(x)
+                return yes
 
-        prefill.ready = real_ready
+            return answer
+
+        prefill.ready = replayed("ready", prefill.wait)
+        prefill.exported = replayed("exported", prefill.wait_exported)
         _record(prefill, "prefill", want)
         _record(decode, "decode", want)
         engine = Engine(None, PD, runner=prefill, decode_runner=decode)
@@ -232,6 +249,73 @@ def test_two_stage_pipeline_timeline_by_hand():
     handoffs = [(s.stage, s.start, s.end) for s in clock.trace if s.kind == "handoff"]
     assert handoffs == [(0, 7, 7.1), (1, 7, 7.1)]
     assert group.submit([0], _batch(1), False).end == pytest.approx(8.1)
+
+
+def test_import_waits_for_the_export_only_if_called_early():
+    """Stage costs 1 and 2, a batch submitted at 0 (stage 0 [0, 1], stage 1 [1, 3]) and a
+    handoff of 10 tokens exported at 0.5: stage 0 runs the export at 1, stage 1 at 3, so it
+    is `exported` at 3 (`wait_exported` moves the clock there). Imported then (as the engine
+    does), the group is busy for the transfer alone, [3, 3.1], and a decode step submitted at
+    1 ran at once, [1, 2]. Imported at 0.5 (as the engine did before), the group is held from
+    0.5 to 3.1, and that decode step starts at 3.1."""
+    for early in (False, True):
+        clock = VirtualClock()
+        pipe = _pipeline(clock, handoff_s=lambda s, n: 0.01 * n)
+        group = SimDecodeGroup(K3_MINI, pipe.engine_config, lambda b: 1.0, clock=clock)
+        pipe.submit([0] * 3, _batch(3), False)
+        clock.now = 0.5
+        sent = pipe.export_request(0, [0, 1, 2], 10)
+        assert not pipe.exported(sent)
+        if early:
+            group.import_request(0, [0, 1, 2], sent)
+        clock.now = 1.0
+        step = group.submit([0], _batch(1), False)
+        assert not pipe.exported(sent)
+        pipe.wait_exported(sent)
+        assert clock.now == 3 and pipe.exported(sent)
+        if not early:
+            group.import_request(0, [0, 1, 2], sent)
+        imports = [(s.start, s.end) for s in clock.trace if s.kind == "import"]
+        handoffs = [(s.stage, s.start, s.end) for s in clock.trace if s.kind == "handoff"]
+        if early:
+            assert imports == [(0.5, pytest.approx(3.1))] and step.end == pytest.approx(4.1)
+            assert handoffs == [(0, 1, 1.1), (1, 3, pytest.approx(3.1))]
+        else:
+            assert imports == [(3, pytest.approx(3.1))] and step.end == 2
+            assert handoffs == [(0, 3, pytest.approx(3.1)), (1, 3, pytest.approx(3.1))]
+
+
+def test_decode_steps_are_not_held_behind_an_export():
+    """The engine over the twins, pp 2 stages of 0.1 s per batch -> a decode group of 50 ms
+    steps: prompts of 1-7 chunks finish while others decode, and their exports wait behind
+    the batches queued on the stages. Decode steps run meanwhile (between an export and the
+    moment every stage has run it), and each import holds the group for its transfer alone
+    (handoff_s per stage, the stages sending at once)."""
+    clock = VirtualClock()
+    pipe = SimPipeline(K3_MINI, PD, RANGES, [lambda b: 0.1] * 2, clock=clock,
+                       handoff_s=lambda s, n: 1e-4 * n, dtype=torch.float32)  # fmt: skip
+    group = SimDecodeGroup(K3_MINI, PD, lambda b: 0.05, tp=TP, dcp=DCP, clock=clock,
+                           dtype=torch.float32)  # fmt: skip
+    exports, export = [], pipe.export_request  # (time, sent, whether any request decodes)
+
+    def spy(*args):
+        decoding = any(r.phase is Phase.DECODE for r in engine.running)
+        exports.append((clock.now, export(*args), decoding))
+        return exports[-1][1]
+
+    pipe.export_request = spy
+    engine = Engine(None, PD, runner=pipe, decode_runner=group)
+    out = _run(engine, _prompts([29, 5, 17, 11, 23, 8, 40, 3], seed=6))
+    assert sorted(len(r.output_token_ids) for r in out.values()) == [14] * 8
+    decode = [s.start for s in clock.trace if s.kind == "decode"]
+    waited = [(t, max(sent.ready)) for t, sent, decoding in exports
+              if decoding and max(sent.ready) > t]  # fmt: skip
+    assert len(waited) >= 5
+    assert all(any(t <= d < ready for d in decode) for t, ready in waited)
+    imports = [s for s in clock.trace if s.kind == "import"]
+    assert len(imports) == len(exports) >= 8
+    transfers = [1e-4 * s.seq_lens[0] for s in imports]
+    assert [s.end - s.start for s in imports] == pytest.approx(transfers)
 
 
 def test_pipeline_stages_work_at_once():
