@@ -346,9 +346,11 @@ def _csv(ctx, param, value):
 @click.option("--budget-s", default=480.0, show_default=True, type=float,
               help="No point starts after this many seconds.")
 @click.option("--peak-flops", type=float,
-              help="FLOP/s the efficiency is taken against (default 777e12: the H200's bf16 GEMM).")
+              help="FLOP/s the efficiency is taken against (default: the GPU's, "
+                   "`calibrate.peak_rates`; the H200's measured 777e12).")  # fmt: skip
 @click.option("--peak-bytes-per-s", type=float,
-              help="Bytes/s the efficiency is taken against (default 4.26e12: the H200's copy).")
+              help="Bytes/s the efficiency is taken against (default: the GPU's; the H200's "
+                   "measured 4.26e12).")  # fmt: skip
 @click.option("--commit", default=None, help="For the header (default: git rev-parse HEAD).")
 @click.option("--out", "out_path", default=None, type=click.Path(dir_okay=False),
               help="JSONL table, appended (default: calibration_<gpu>[_<flavor>].jsonl).")
