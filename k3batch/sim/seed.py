@@ -21,11 +21,13 @@ fitted to the published numbers: a gap is explained by the model's terms in the 
    an equal share of the DCP8 capacity (the published figure names no context; this is the
    assumption), tok/s = 48 / step. Published: 541 tok/s.
 4. PP8 prefill into a TP8 decode group (PD disaggregated), MXFP4 experts, 8K in / 1K out: the
-   job estimate of one pp8+tp8 replica (16 GPUs) at the engine's max_num_seqs and at 256.
+   job estimate of one pp8+tp8 replica (16 GPUs: twice the seed's 8, which names no split)
+   at the engine's max_num_seqs and at 256.
    Published: 2,808 output tok/s per GPU at 18.7 tok/s per user.
 """
 
 import argparse
+import dataclasses
 
 from k3batch.engine.config import EngineConfig
 from k3batch.model.forward_batch import ForwardBatch
@@ -43,8 +45,8 @@ def _prefill_batch(tokens: int) -> ForwardBatch:
     return ForwardBatch(seq_lens=[tokens], cached_lens=[0])
 
 
-def pp_vs_tep(config, calibration, cluster, *, stages: int = 8, prompts: int = 32) -> dict:
-    """Prefill tok/s of PP `stages` (the engine's pipeline on the clock) and of TEP `stages`."""
+def pp_prefill(config, calibration, cluster, *, stages: int = 8, prompts: int = 32) -> dict:
+    """Prefill tok/s of PP `stages`: the engine's pipeline on the clock, one chunk a prompt."""
     from k3batch.sim.estimate import run_replica
 
     plan = make_plan(config, gpu=cluster.gpu.name, pp_size=stages, tp_size=1, dcp_size=1,
@@ -54,13 +56,17 @@ def pp_vs_tep(config, calibration, cluster, *, stages: int = 8, prompts: int = 3
     timed, _, clock = run_replica(config, plan, calibration, cluster, work, prompts,
                                   engine_config=cfg, pipeline_only=True)  # fmt: skip
     pp_s = max(t.finish_s for t in timed)
-    tep = StepCost(config, calibration, cluster, layer_ids=range(config.num_hidden_layers),
-                   tp=stages, dcp=1, embed=True, head=True)  # fmt: skip
-    batch = _prefill_batch(PROMPT)
-    tep_s = tep.forward_s(batch)
-    return {"pp_tok_s": prompts * PROMPT / pp_s, "tep_tok_s": PROMPT / tep_s,
-            "tep_comm_share": tep.comm_s(batch) / tep_s,
+    return {"tok_s": prompts * PROMPT / pp_s,
             "stage_busy": {k: v / pp_s for k, v in clock.busy.items()}}  # fmt: skip
+
+
+def tep_prefill(config, calibration, cluster, *, ranks: int = 8) -> dict:
+    """Prefill tok/s of TEP `ranks`: every layer on a TP rank's share, with its collectives."""
+    tep = StepCost(config, calibration, cluster, layer_ids=range(config.num_hidden_layers),
+                   tp=ranks, dcp=1, embed=True, head=True)  # fmt: skip
+    batch = _prefill_batch(PROMPT)
+    seconds = tep.forward_s(batch)
+    return {"tok_s": PROMPT / seconds, "comm_share": tep.comm_s(batch) / seconds}
 
 
 def dcp_capacity(config, gpu: str, gpu_bytes: int, tp: int = 8) -> dict:
@@ -81,6 +87,9 @@ def sessions_decode(config, calibration, cluster, *, sessions: int = 48, tp: int
 
 
 def pd_job(config, calibration, cluster, *, max_num_seqs: int = 0) -> dict:
+    """One pp8+tp8 replica (16 GPUs: `cluster` doubled in nodes when it has fewer)."""
+    if cluster.num_gpus < 16:
+        cluster = dataclasses.replace(cluster, nodes=-(-16 // cluster.gpus_per_node))
     plan = make_plan(config, gpu=cluster.gpu.name, pp_size=8, tp_size=8, dcp_size=1,
                      context_len=PROMPT + 1024 + 1, gpu_bytes=cluster.gpu.memory_bytes)  # fmt: skip
     work = Workload.fixed(1_000_000, PROMPT, 1024)
@@ -103,28 +112,45 @@ def seed_table(calibration: Calibration, cluster_name: str = "gb300x4x2") -> lis
     def row(what, predicted, published, ratio):
         out.append(f"{what:<44} {predicted:>12} {published:>16}  {ratio}")
 
-    pt = pp_vs_tep(config, cal, cluster)
-    ratio = pt["pp_tok_s"] / pt["tep_tok_s"]
-    row("8K prefill: PP8 / TEP8 throughput", f"{ratio:.2f}x", "1.64x (1.45-1.72)",
-        f"{ratio / 1.64:.2f}")
-    out.append(f"  PP8 {pt['pp_tok_s']:,.0f} tok/s, TEP8 {pt['tep_tok_s']:,.0f} tok/s "
-               f"({100 * pt['tep_comm_share']:.0f}% of TEP8's time in its all-reduces)")
+    def missing(what, published, e: KeyError):
+        row(what, "-", published, "N/A")
+        out.append(f"  not predicted: {e.args[0]}")
+
+    what = "8K prefill: PP8 / TEP8 throughput"
+    pp = pp_prefill(config, cal, cluster)
+    try:
+        tep = tep_prefill(config, cal, cluster)
+        ratio = pp["tok_s"] / tep["tok_s"]
+        row(what, f"{ratio:.2f}x", "1.64x (1.45-1.72)", f"{ratio / 1.64:.2f}")
+        out.append(f"  TEP8 {tep['tok_s']:,.0f} tok/s ({100 * tep['comm_share']:.0f}% of its "
+                   "time in its all-reduces)")
+    except KeyError as e:
+        missing(what, "1.64x (1.45-1.72)", e)
+    busy = ", ".join(f"{100 * v:.0f}%" for v in pp["stage_busy"].values())
+    out.append(f"  PP8 {pp['tok_s']:,.0f} tok/s of 8K prompts, stages busy {busy}")
     cap = dcp_capacity(config, cluster.gpu.name, cluster.gpu.memory_bytes)
     row("logical capacity TP8 -> TP8/DCP8 (tokens)",
         f"{cap['tp'] / 1e6:.2f}M->{cap['dcp'] / 1e6:.1f}M", "1.5M -> 12.2M",
         f"{cap['gain'] / 7.9:.2f} (gain {cap['gain']:.2f}x vs 7.9x)")
-    sd = sessions_decode(config, cal, cluster)
-    row("DCP8 decode, 48 sessions (tok/s)", f"{sd['tok_s']:,.0f}", "541",
-        f"{sd['tok_s'] / 541:.2f}")
-    out.append(f"  each session {sd['context']:,} tokens (assumed: an equal share of the DCP8 "
-               f"capacity), step {1e3 * sd['step_s']:.1f} ms")
+    what = "DCP8 decode, 48 sessions (tok/s)"
+    try:
+        sd = sessions_decode(config, cal, cluster)
+        row(what, f"{sd['tok_s']:,.0f}", "541", f"{sd['tok_s'] / 541:.2f}")
+        out.append(f"  each session {sd['context']:,} tokens (assumed: an equal share of the "
+                   f"DCP8 capacity), step {1e3 * sd['step_s']:.1f} ms")
+    except KeyError as e:
+        missing(what, "541", e)
     for seqs in (0, 256):
-        pd = pd_job(config, cal, cluster, max_num_seqs=seqs)
+        what = f"PP8 -> TP8 decode, 8K/1K (tok/s/GPU), seqs {seqs or 'auto'}"
+        try:
+            pd = pd_job(config, cal, cluster, max_num_seqs=seqs)
+        except KeyError as e:
+            missing(what, "2,808", e)
+            continue
         if pd["why"]:
             out.append(f"  pp8+tp8: {pd['why']}")
             continue
-        row(f"PP8 -> TP8 decode, 8K/1K (tok/s/GPU), seqs {pd['max_num_seqs']}",
-            f"{pd['tok_s_per_gpu']:,.0f}", "2,808", f"{pd['tok_s_per_gpu'] / 2808:.2f}")
+        row(what, f"{pd['tok_s_per_gpu']:,.0f}", "2,808", f"{pd['tok_s_per_gpu'] / 2808:.2f}")
         out.append(f"  per user {pd['user_tok_s']:.1f} tok/s (published 18.7); {pd['binds']}")
     return out
 
