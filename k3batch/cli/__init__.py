@@ -372,7 +372,7 @@ def _estimate(*, flavor, model_dir, gpu, pp, tp, dcp, memory_fraction, reserve_g
         raise click.UsageError(str(e)) from None
     click.echo(str(result))
     if result.best is None:
-        raise click.ClickException("no layout fits: see the table above")
+        raise click.ClickException(f"{result.no_estimate()}: see the table above")
 
 
 main.add_command(bench)

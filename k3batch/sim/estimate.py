@@ -266,7 +266,8 @@ class JobEstimate:
         best = self.best
         for r in self.rows:
             if not r.fits:
-                out.append(f"{r.name:<16} {r.gpus:>4} {r.replicas:>4}  refused: {r.why}")
+                verdict = "" if r.why.startswith("fits") else "refused: "
+                out.append(f"{r.name:<16} {r.gpus:>4} {r.replicas:>4}  {verdict}{r.why}")
                 continue
             mark = "  <- fastest" if r is best else ""
             out.append(
@@ -275,13 +276,19 @@ class JobEstimate:
                 f"{r.user_tok_s:>10.1f}  {r.binds} (max_num_seqs {r.max_num_seqs}){mark}"
             )
         if best is None:
-            out.append("no layout fits this cluster")
+            out.append(self.no_estimate())
         out += [
             "assumed: every request generates its max_new_tokens (no early EOS); expert routing "
             "as uniform as the calibration's; replicas alike and independent; the host's step "
             "time as given (hidden by the overlapped decode where the engine overlaps)",
         ]
         return out
+
+    def no_estimate(self) -> str:
+        if any(r.why.startswith("fits") for r in self.rows):
+            return ("no layout estimated: those that fit lack calibration points for their "
+                    "shards (`k3batch bench calibrate --tp ...` on the GPU)")
+        return "no layout fits this cluster"
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
@@ -316,8 +323,15 @@ def estimate_job(config, flavor: str, cluster, workload: Workload, *, calibratio
     else:
         plans = [make_plan(config, gpu=gpu.name, pp_size=pp, tp_size=tp, dcp_size=dcp, **plan_kw)
                  for pp, tp, dcp in layouts]  # fmt: skip
-    rows = tuple(estimate_layout(config, p, calibration, cluster, workload,
-                                 engine_config=engine_config, host=host, sample=sample)
-                 for p in plans)  # fmt: skip
+    rows = []
+    for p in plans:
+        try:
+            rows.append(estimate_layout(config, p, calibration, cluster, workload,
+                                        engine_config=engine_config, host=host, sample=sample))
+        except KeyError as e:  # the table lacks this layout's shard: say which
+            rows.append(LayoutEstimate(pp=p.pp_size, tp=p.tp_size, dcp=p.dcp_size,
+                                       gpus=p.num_gpus, replicas=cluster.num_gpus // p.num_gpus,
+                                       fits=False, why=f"fits, not estimated: {e.args[0]}"))
+    rows = tuple(rows)
     return JobEstimate(flavor=flavor, workload=workload, cluster=cluster,
                        calibration=calibration, engine_config=engine_config, rows=rows)  # fmt: skip
