@@ -79,3 +79,28 @@ def test_plan_estimate_names_a_missing_calibration(tmp_path):
     out = CliRunner().invoke(main, ["plan", "--estimate", "--flavor", "k3-debug",
                                     "--calibration", str(tmp_path / "none.jsonl")])  # fmt: skip
     assert out.exit_code == 2 and "none.jsonl" in out.output
+
+
+def test_a_jobs_own_input_is_the_workload(tmp_path, mini_model_dir, table):
+    """--job: the rows' prompts tokenized as the job does, their max_new_tokens, bad rows
+    counted apart; the estimate runs on them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from k3batch.driver.jobspec import load_job_spec
+    from k3batch.sim.workload import workload_from_job
+
+    ids = [[5] * 30, [6] * 70, None, [7] * 50, [10**9]]  # a null prompt, an id off the vocab
+    pq.write_table(pa.table({"prompt_token_ids": ids,
+                             "max_new_tokens": [4, 9, 3, None, 2]}), tmp_path / "in.parquet")  # fmt: skip
+    spec = tmp_path / "job.toml"
+    spec.write_text(f'model = "{mini_model_dir}"\n[input]\npath = "{tmp_path}/in.parquet"\n'
+                    f'[output]\npath = "{tmp_path}/out"\n[sampling]\nmax_new_tokens = 6\n'
+                    "[engine]\nmax_num_seqs = 4\nmax_seq_len = 256\nchunk_size = 64\n")  # fmt: skip
+    work = workload_from_job(load_job_spec(spec))
+    assert work.num_prompts == 5 and work.bad_rows == 2
+    assert work.prompt_lens == (30, 70, 50) and work.output_lens == (4, 9, 6)
+    out = CliRunner().invoke(main, ["plan", "--estimate", "--job", str(spec), "--calibration",
+                                    str(table), "--cluster", "h200x1"])  # fmt: skip
+    assert f"{tmp_path}/in.parquet: 5 rows" in out.output, out.output
+    assert "1 GPU" in out.output
