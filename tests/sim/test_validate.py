@@ -13,6 +13,7 @@ from k3batch.bench.layouts import LayoutBench
 from k3batch.model import get_flavor
 from k3batch.sim import comm, records
 from k3batch.sim.calibration import Calibration, Point
+from k3batch.sim.checks import engine_checks, fill_checks, job_checks, layout_checks, pd_checks
 from k3batch.sim.cluster import cluster_from
 from k3batch.sim.replay import (
     sim_decode_step,
@@ -21,15 +22,7 @@ from k3batch.sim.replay import (
     sim_pp_prefill,
     sim_tp_prefill,
 )
-from k3batch.sim.validate import (
-    engine_checks,
-    fill_checks,
-    format_checks,
-    job_checks,
-    layout_checks,
-    main,
-    pd_checks,
-)
+from k3batch.sim.validate import format_checks, main
 
 DEBUG = get_flavor("k3-debug")
 ONE, TWO = cluster_from("h200x1"), cluster_from("h200x2")
