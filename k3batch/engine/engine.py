@@ -1,12 +1,16 @@
 """Engine: requests in, tokens out, on one device or over Ray actor groups.
 
 Contract: the engine knows nothing of text, and nothing of where the model runs (runners, see
-`runner.py`). `add_request` queues token ids; each `step` admits what fits, prefills (up to
-`runner.depth` batches of prompt chunks submitted back to back, so that a pipeline's stages
-all work) and decodes one token for every request whose prompt is done: one after the other
-on a single runner, at the same time when a separate decode runner (a TP/DCP group) takes
-requests by handoff. It returns the requests that finished. On one device a decode step is
-launched before the host takes the tokens of the step before it (`overlap`, see `_decode`).
+`runner.py`). `add_request` queues token ids; each `step` admits what fits, prefills prompt
+chunks and decodes one token for every request whose prompt is done: one after the other on a
+single runner, at the same time when a separate decode runner (a TP/DCP group) takes requests
+by handoff. It returns the requests that finished. On one device a step runs one prefill batch
+or, with no prompt left, a decode step, launched before the host takes the tokens of the step
+before it (`overlap`, see `_decode`). A pipeline (`runner.depth` stages) keeps `depth` prefill
+batches in flight across steps, each step topping it up and taking the oldest (and any others
+done), so its stages do not drain while chunks remain (`_fill_pipeline`; waiting for all of
+them each step kept each stage busy P / (2P - 1) of the time); it decodes once every prefill
+batch is taken, and runs the one-device engine's batches in the same order.
 
 Disaggregated, the two sides run at their own pace: prefill batches stay in flight across
 steps, a step waits for one only when it has no decode step to run (an 8,192-token chunk takes
@@ -102,7 +106,7 @@ class Engine:
         # prompt prefixes that a running prefill will checkpoint -> that request (see _admit)
         self._pending: dict[tuple[int, ...], str] = {}
         self._errors: list[GenerationResult] = []
-        self._prefilling: deque = deque()  # disaggregated: prefill batches in flight, oldest first
+        self._prefilling: deque = deque()  # a pipeline's prefill batches in flight, oldest first
         self._num_prefills = 0  # disaggregated: prefill batches submitted so far
         self._exports: deque[_Export] = deque()  # disaggregated: exports in flight, oldest first
         # Overlapped decode (one runner that takes device tokens): the decode step whose tokens
@@ -168,7 +172,9 @@ class Engine:
         )
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._errors)
+        """Requests to run or report, or prefill batches in flight (those of failed requests
+        too: they are taken before the engine goes idle)."""
+        return bool(self.waiting or self.running or self._errors or self._prefilling)
 
     def sizing(self) -> dict:
         """What was chosen up front: the sized limits, the arena bytes of each device of the
@@ -191,7 +197,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[GenerationResult]:
         self._admit()
-        if self.decode_runner is None:  # one set of devices: prefill first, then decode
+        if self.decode_runner is None and self.runner.depth == 1:  # prefill first, then decode
             prefill = [r for r in self.running if r.phase is Phase.PREFILL]
             self.last_step_prefill = bool(prefill)
             if prefill:
@@ -201,6 +207,15 @@ class Engine:
                 self._decode(decoding, self.runner, self.pool)
             else:
                 self._take_inflight()
+        elif self.decode_runner is None:  # a pipeline that decodes too: see _fill_pipeline
+            self._fill_pipeline()
+            self.last_step_prefill = bool(self._prefilling)
+            if self._prefilling:
+                self._finish_prefills([self._prefilling.popleft()])
+                while self._prefilling and self.runner.ready(self._prefilling[0][3]):
+                    self._finish_prefills([self._prefilling.popleft()])
+            elif decoding := self._make_room(self.pool):  # every prefill batch finished
+                self._decode(decoding, self.runner, self.pool)
         else:  # disaggregated: prefill batches in flight across steps, a decode step each step
             prefill = [r for r in self.running if r.phase is Phase.PREFILL]
             self.last_step_prefill = bool(prefill or self._prefilling)
@@ -406,6 +421,24 @@ class Engine:
             submitted.append(self._submit_prefill(plan))
         return submitted
 
+    def _fill_pipeline(self) -> None:
+        """Top a pipeline that also decodes up to `runner.depth` prefill batches in flight
+        (`_prefilling`, across steps). Requests are admitted before each batch, as the
+        one-device engine admits before each of its one-batch steps, so both submit the same
+        batches in the same order: a batch's composition depends on prompt progress and on the
+        running set, which results change only where a request ends in its prefill (its first
+        token is its last, or it fails): its room goes to the next request once its batch is
+        taken, up to depth - 1 batches later here. No decode step runs while a prefill batch
+        is in flight (`step`): it would read caches that they write, and no request retracted
+        for its pages may have a batch in flight."""
+        for i in range(self.runner.depth - len(self._prefilling)):
+            if i:
+                self._admit()
+            plan = self._plan_prefill([r for r in self.running if r.phase is Phase.PREFILL])
+            if not plan:
+                return
+            self._prefilling.append(self._submit_prefill(plan))
+
     def _finish_prefills(self, submitted: list) -> None:
         for plan, batch, want_all, handle in submitted:
             self._finish_prefill(plan, batch, want_all, self.runner.wait(handle))
@@ -447,7 +480,7 @@ class Engine:
         done, last = [], []
         for j, (r, n) in enumerate(plan):
             if r not in self.running:
-                continue  # failed in an earlier batch of this step
+                continue  # failed in an earlier batch (this one was in flight then)
             with self._failing_alone(r):
                 if want_all and r.sampling.prompt_logprobs:
                     rows = logits[cu[j] : cu[j + 1]]

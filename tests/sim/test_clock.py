@@ -319,22 +319,24 @@ def test_decode_steps_are_not_held_behind_an_export():
 
 
 def test_pipeline_stages_work_at_once():
-    """Each step the engine submits `depth` prompt chunks back to back and waits for them: on
-    two stages of cost c, two chunks take 3 c, not 4 c (stage 0 works on the second chunk
-    while stage 1 works on the first), and six chunks three steps of 3 c."""
+    """The engine keeps `depth` prompt chunks in flight across steps, each step taking the
+    oldest: on two stages of cost c, two chunks take 3 c, not 4 c (stage 0 works on the second
+    chunk while stage 1 works on the first), and six chunks 7 c in six steps, stage 0 never
+    idle (waiting for each step's chunks before the next took 9 c: 3 c a pair)."""
     clock = VirtualClock()
     cfg = EngineConfig(max_num_seqs=1, max_seq_len=64, chunk_size=8, max_batch_tokens=8,
                        page_size=4, prefix_cache=False)  # fmt: skip
     pipe = SimPipeline(K3_MINI, cfg, [(0, 4), (4, 9)], [lambda b: 1.0] * 2, clock=clock)
     engine = Engine(None, cfg, runner=pipe)
     engine.add_request("a", list(range(48)), SamplingParams(max_new_tokens=1, ignore_eos=True))
-    for _ in range(3):
+    engine.step()
+    assert clock.now == 2.0 and len(engine._prefilling) == 1  # the first of two taken
+    for _ in range(5):
         engine.step()
     s0 = [s for s in clock.trace if s.stage == 0 and s.kind == "prefill"]
     s1 = [s for s in clock.trace if s.stage == 1]
-    assert len(s0) == 6 and clock.now == 9.0 and not engine.has_unfinished()
-    assert [(a.start, b.start) for a, b in zip(s0, s1)] == [(0, 1), (1, 2), (3, 4), (4, 5),
-                                                            (6, 7), (7, 8)]  # fmt: skip
+    assert len(s0) == 6 and clock.now == 7.0 and not engine.has_unfinished()
+    assert [(a.start, b.start) for a, b in zip(s0, s1)] == [(k, k + 1) for k in range(6)]
 
 
 @pytest.mark.parametrize("host_s", [0.004, 0.015])
