@@ -225,3 +225,15 @@ def truncated_checkpoint(src: str, dst: Path) -> Path:
     shard = max(dst.glob("*.safetensors"), key=lambda p: p.stat().st_size)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     return dst
+
+
+def random_prompts(lens, seed: int = 0, prefix=()) -> list[list[int]]:
+    """Prompts of the given lengths (after a shared `prefix`) of ids drawn from [0, 500)."""
+    g = torch.Generator().manual_seed(seed)
+    return [list(prefix) + torch.randint(0, 500, (n,), generator=g).tolist() for n in lens]
+
+
+def batch_key(batch) -> tuple:
+    """A ForwardBatch's schedule (lengths, cached lengths, KDA blocks, page tables), comparable."""
+    return (tuple(batch.seq_lens), tuple(batch.cached_lens), tuple(batch.slot_ids),
+            tuple(map(tuple, batch.page_tables)))  # fmt: skip

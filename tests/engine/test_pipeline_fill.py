@@ -19,20 +19,11 @@ from k3batch.engine.config import EngineConfig
 from k3batch.engine.engine import Engine
 from k3batch.engine.request import SamplingParams
 from k3batch.engine.runner import LocalRunner
+from k3batch.testing import batch_key, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
 CFG = EngineConfig(max_num_seqs=6, max_seq_len=64, chunk_size=8, max_batch_tokens=16,
                    page_size=4, prefix_cache=False)  # fmt: skip
-
-
-def _prompts(lens, seed=0, prefix=()):
-    g = torch.Generator().manual_seed(seed)
-    return [list(prefix) + torch.randint(0, 500, (n,), generator=g).tolist() for n in lens]
-
-
-def _key(batch):
-    return (tuple(batch.seq_lens), tuple(batch.cached_lens), tuple(batch.slot_ids),
-            tuple(map(tuple, batch.page_tables)))  # fmt: skip
 
 
 class OneDevice(LocalRunner):
@@ -46,7 +37,7 @@ class OneDevice(LocalRunner):
         self.batches = []
 
     def submit(self, ids, batch, all_logits, feed=None):
-        self.batches.append(_key(batch))
+        self.batches.append(batch_key(batch))
         return super().submit(ids, batch, all_logits, feed)
 
 
@@ -74,7 +65,7 @@ class LazyPipeline(LocalRunner):
         assert feed is None
         i, phase = self._submitted, "decode" if self.decoding else "prefill"
         self._submitted += 1
-        self.batches.append(_key(batch))
+        self.batches.append(batch_key(batch))
         self.log.append(("submit", phase, self._submitted - self._waited))
         self._queue.append(lambda: self._done.__setitem__(
             i, LocalRunner.submit(self, ids, batch, all_logits)))  # fmt: skip
@@ -149,7 +140,7 @@ def test_pipeline_stays_full_across_steps(model_factory, depth):
     prefill batch but the last depth - 1 is taken with `depth` in flight, one a step; then the
     pipeline empties and decode steps run alone. Batches and tokens: one device's."""
     model = model_factory("k3-mini")
-    prompts = _prompts([37, 5, 44, 23, 30, 12])
+    prompts = random_prompts([37, 5, 44, 23, 30, 12])
     engine, pipe = _pipelined(model, CFG, depth)
     out = _run(engine, prompts)
     waits = [n for what, phase, n in pipe.log if what == "wait" and phase == "prefill"]
@@ -176,9 +167,9 @@ def test_batches_and_tokens_are_one_devices(model_factory, prefix_cache, answer)
     config = dataclasses.replace(CFG, max_num_seqs=4, prefix_cache=prefix_cache,
                                  cache_bytes=int(2.6 * request_bytes))  # fmt: skip
     if prefix_cache:
-        prompts = _prompts([9, 21, 3, 9, 14], seed=1, prefix=range(100, 123))
+        prompts = random_prompts([9, 21, 3, 9, 14], seed=1, prefix=range(100, 123))
     else:
-        prompts = _prompts([37, 5, 44, 23, 30, 12, 41])
+        prompts = random_prompts([37, 5, 44, 23, 30, 12, 41])
     want, one, ref = _one_device(model, config, prompts)
     engine, pipe = _pipelined(model, config, 3, answer)
     out = _run(engine, prompts)
@@ -206,7 +197,7 @@ def test_a_request_failing_in_its_prefill_fails_alone(model_factory, monkeypatch
         return real(req, *args)
 
     monkeypatch.setattr(engine_module, "add_prompt_logprobs", failing)
-    prompts = _prompts([20, 44, 23, 30, 12, 37])
+    prompts = random_prompts([20, 44, 23, 30, 12, 37])
     sampling = [GREEDY] * len(prompts)
     sampling[1] = dataclasses.replace(GREEDY, prompt_logprobs=True)
     config = dataclasses.replace(CFG, max_num_seqs=3)
@@ -227,13 +218,13 @@ def test_ray_pipeline_runs_one_devices_batches(local_ray, mini_model_dir):
     from k3batch.actors.world import spawn_runners
     from k3batch.model.loader import load_model
 
-    prompts = _prompts([37, 5, 44, 23, 30, 12], seed=3)
+    prompts = random_prompts([37, 5, 44, 23, 30, 12], seed=3)
     want, one, _ = _one_device(load_model(mini_model_dir, dtype=torch.float32), CFG, prompts)
     runner, _ = spawn_runners(mini_model_dir, num_stages=2, engine_config=CFG, device="cpu",
                               dtype=torch.float32)  # fmt: skip
     batches, submit = [], runner.submit
     runner.submit = lambda ids, batch, all_logits: (
-        batches.append(_key(batch)) or submit(ids, batch, all_logits))  # fmt: skip
+        batches.append(batch_key(batch)) or submit(ids, batch, all_logits))  # fmt: skip
     try:
         engine = Engine(None, CFG, runner=runner)
         _add(engine, prompts, GREEDY)

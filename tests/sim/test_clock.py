@@ -30,19 +30,9 @@ from k3batch.sim import comm
 from k3batch.sim.clock import HostCost, SimDecodeGroup, SimPipeline, SimRunner, VirtualClock, drive
 from k3batch.sim.cluster import cluster_from
 from k3batch.sim.cost import LinkCost, StepCost, build_replica
-from k3batch.testing import K3_MINI
+from k3batch.testing import K3_MINI, batch_key, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=14, ignore_eos=True)
-
-
-def _prompts(lens, seed=0, prefix=()):
-    g = torch.Generator().manual_seed(seed)
-    return [list(prefix) + torch.randint(0, 500, (n,), generator=g).tolist() for n in lens]
-
-
-def _key(batch):
-    return (tuple(batch.seq_lens), tuple(batch.cached_lens), tuple(batch.slot_ids),
-            tuple(map(tuple, batch.page_tables)))  # fmt: skip
 
 
 def _record(runner, role: str, log: list) -> None:
@@ -50,7 +40,7 @@ def _record(runner, role: str, log: list) -> None:
     submit = runner.submit
 
     def spy(ids, batch, all_logits, **feed):
-        log.append((role, _key(batch)))
+        log.append((role, batch_key(batch)))
         return submit(ids, batch, all_logits, **feed)
 
     runner.submit = spy
@@ -69,8 +59,8 @@ ONE = EngineConfig(max_num_seqs=4, max_seq_len=64, chunk_size=16, max_batch_toke
 @pytest.mark.parametrize(
     "prefix_cache,prompts",
     [
-        (False, _prompts([37, 5, 44, 23, 30, 12])),
-        (True, _prompts([9, 21, 3, 9, 14], seed=1, prefix=range(100, 123))),
+        (False, random_prompts([37, 5, 44, 23, 30, 12])),
+        (True, random_prompts([9, 21, 3, 9, 14], seed=1, prefix=range(100, 123))),
     ],
     ids=["retraction", "prefix-cache"],
 )
@@ -160,7 +150,7 @@ def test_disaggregated_schedule_is_the_real_runners(local_ray, mini_model_dir):
     a decode arena of 3 requests (retraction on the decode side) and six prompts. The handoff's
     bytes per decode rank (`LinkCost.handoff_bytes`, from `sim.comm`) are what the real ranks
     received."""
-    prompts = _prompts([11, 4, 23, 17, 30, 8], seed=5)
+    prompts = random_prompts([11, 4, 23, 17, 30, 8], seed=5)
     clock = VirtualClock()
     sim_prefill, sim_decode = _sim_pd(clock)
     got, answers = [], []
@@ -305,7 +295,7 @@ def test_decode_steps_are_not_held_behind_an_export():
 
     pipe.export_request = spy
     engine = Engine(None, PD, runner=pipe, decode_runner=group)
-    out = _run(engine, _prompts([29, 5, 17, 11, 23, 8, 40, 3], seed=6))
+    out = _run(engine, random_prompts([29, 5, 17, 11, 23, 8, 40, 3], seed=6))
     assert sorted(len(r.output_token_ids) for r in out.values()) == [14] * 8
     decode = [s.start for s in clock.trace if s.kind == "decode"]
     waited = [(t, max(sent.ready)) for t, sent, decoding in exports
@@ -439,7 +429,7 @@ def test_build_replica_runs_every_layout(pp_layers, tp, dcp, runners):
     cfg = EngineConfig(max_num_seqs=4, max_seq_len=64, chunk_size=8, page_size=4)
     engine, clock = build_replica(K3_MINI, cfg, FakeCalibration(), cluster_from("h200x8"),
                                   arena_bytes=1 << 20, pp_layers=pp_layers, tp=tp, dcp=dcp)  # fmt: skip
-    for i, p in enumerate(_prompts([20, 9, 30], seed=2)):
+    for i, p in enumerate(random_prompts([20, 9, 30], seed=2)):
         engine.add_request(str(i), p, GREEDY)
     timed = drive(engine, clock)
     assert sorted(len(t.result.output_token_ids) for t in timed) == [14] * 3
