@@ -73,12 +73,20 @@ class StepCost:
 
     def compute_s(self, batch: ForwardBatch) -> float:
         """The calibrated parts alone."""
+        return sum(self.parts_s(batch).values())
+
+    def parts_s(self, batch: ForwardBatch) -> dict[str, float]:
+        """part -> seconds of its layers here (count x one layer's calibrated part)."""
         shape = {"phase": phase(batch), "tp": self.tp, "tokens": batch.num_tokens,
                  "seqs": batch.num_seqs, "context_tokens": sum(batch.cached_lens)}  # fmt: skip
         part_s = self.calibration.part_s
-        return sum(n * part_s(part, **shape, dcp=self.dcp if part == "mla" else 1,
-                              experts=self.experts if part == "moe" else "")
-                   for part, n in self.parts.items())  # fmt: skip
+        return {part: n * part_s(part, **shape, dcp=self.shard_dcp(part),
+                                 experts=self.experts if part == "moe" else "")
+                for part, n in self.parts.items()}  # fmt: skip
+
+    def shard_dcp(self, part: str) -> int:
+        """The DCP shard a part's points are taken at: mla's, 1 for the rest."""
+        return self.dcp if part == "mla" else 1
 
     def comm_s(self, batch: ForwardBatch) -> float:
         """The TP all-reduces and head all-gather, the DCP all-gather and merge, in order."""

@@ -36,7 +36,7 @@ import torch
 
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import SamplingParams
-from k3batch.parallel.plan import Plan, make_plan, tp_sizes
+from k3batch.parallel.plan import Plan, make_plan, pool_bytes, tp_sizes
 from k3batch.sim.clock import HostCost, drive
 from k3batch.sim.cost import build_replica
 from k3batch.sim.workload import Workload
@@ -88,9 +88,10 @@ def candidates(config, gpu: str, num_gpus: int, *, dcps=None, **plan_kw) -> list
 
 
 def _stage_pools(plan: Plan) -> list[int]:
-    """Each prefill stage's arena: what its GPU has left after its weights and the reserve."""
-    usable = plan.usable_bytes - plan.reserve_bytes
-    return [max(0, usable - w) for w in plan.stage_weight_bytes]
+    """Each prefill stage's arena: what its GPU has left after its weights and the reserve
+    (`plan.pool_bytes`, the formula the runners size their pools by)."""
+    return [pool_bytes(plan.gpu_bytes, plan.memory_fraction, w, plan.reserve_bytes)
+            for w in plan.stage_weight_bytes]  # fmt: skip
 
 
 def _replica(config, plan: Plan, calibration, cluster, engine_config: EngineConfig,
@@ -214,12 +215,10 @@ def _split(config, plan: Plan, calibration, cluster, runner: str, stage: int, sp
     batch = ForwardBatch(seq_lens=list(span.seq_lens), cached_lens=list(span.cached_lens))
     phase = "decode" if all(n == 1 for n in batch.seq_lens) else "prefill"
     by = {"FLOP": 0.0, "byte": 0.0}
-    for part, n in cost.parts.items():
-        d, experts = (dcp if part == "mla" else 1), (cost.experts if part == "moe" else "")
-        t = n * calibration.part_s(part, phase=phase, tp=tp, dcp=d, tokens=batch.num_tokens,
-                                   seqs=batch.num_seqs, context_tokens=sum(batch.cached_lens),
-                                   experts=experts)  # fmt: skip
-        by[_bound(calibration, part, phase, tp, d, experts, batch.num_tokens)] += t
+    for part, t in cost.parts_s(batch).items():
+        experts = cost.experts if part == "moe" else ""
+        by[_bound(calibration, part, phase, tp, cost.shard_dcp(part), experts,
+                  batch.num_tokens)] += t  # fmt: skip
     comm = cost.comm_s(batch)
     total = sum(by.values()) + comm
     shares = [f"{100 * v / total:.0f}% {k}-bound" for k, v in by.items() if v]
