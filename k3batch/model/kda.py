@@ -92,7 +92,9 @@ class KimiDeltaAttention(nn.Module):
         one (a one-shot forward), from zeros."""
         T = x_TD.shape[0]
         H, K = self.num_heads, self.head_dim
-        cu = batch.cu_seqlens
+        # The offsets as a list (the torch path) or with their device tensors, copied once
+        # per forward and shared by the KDA layers (`ForwardBatch.varlen`).
+        cu = batch.cu_seqlens if self.backend == "torch" else batch.varlen(x_TD.device)
         projs = (self.q_proj, self.k_proj, self.v_proj)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         params = (self.A_log, self.dt_bias)

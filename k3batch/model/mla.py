@@ -115,7 +115,7 @@ class KimiMLAAttention(nn.Module):
                     f"MLA layer {self.layer_idx}: cached_lens {cached} need the cache's pages "
                     f"bound to the batch (batch.mla_pages)"
                 )
-            latent_SC, k_lens = latent_TC, lens
+            latent_SC, k_lens, cu_k = latent_TC, lens, None
         else:
             ps = pool.shape[1]
             for n, (new, c) in enumerate(zip(lens, cached)):
@@ -125,34 +125,38 @@ class KimiMLAAttention(nn.Module):
                         f"pages of {ps} tokens"
                     )
             k_lens = [c + n for c, n in zip(cached, lens)]
-            seq_T, pos_T = _token_positions(lens, cached, dev)
-            rows_T = batch.page_rows[seq_T, pos_T // ps]
-            pool[rows_T, pos_T % ps] = latent_TC.to(pool.dtype)
-            if any(cached):
-                seq_S, pos_S = _token_positions(k_lens, [0] * len(k_lens), dev)
-                latent_SC = pool[batch.page_rows[seq_S, pos_S // ps], pos_S % ps]
+            at = batch.token_addresses(dev, ps)  # built by the first MLA layer of the forward
+            pool[at.rows_T, at.slots_T] = latent_TC.to(pool.dtype)
+            if at.rows_S is not None:
+                latent_SC = pool[at.rows_S, at.slots_S]
             else:
                 latent_SC = latent_TC.to(pool.dtype)
-        return self._attend_packed(q_THQ, latent_SC, lens, k_lens)
+            cu_k = at.cu_k
+        cu_q = batch.varlen(dev).cu if self.uses_kernels(q_THQ) else None
+        return self._attend_packed(q_THQ, latent_SC, lens, k_lens, cu_q, cu_k)
 
-    def _attend_packed(self, q_THQ, latent_SC, q_lens, k_lens):
+    def _attend_packed(self, q_THQ, latent_SC, q_lens, k_lens, cu_q=None, cu_k=None):
+        """Expanded attention; cu_q / cu_k: the offsets already on the device (the batch's,
+        shared by the layers of a forward), None to copy them from q_lens / k_lens here
+        (cu_k None with cu_q given: the keys are the queries)."""
         S, H = latent_SC.shape[0], self.num_heads
         c, k_rope = latent_SC.split([self.kv_lora, self.rope], dim=-1)
         kv = self.kv_b_proj(c).view(S, H, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        cu_q, cu_k = _offsets(q_lens), _offsets(k_lens)
         if not self.uses_kernels(q_THQ):
-            o = mla_ref.mla_prefill(q_THQ, k_nope, k_rope, v, cu_q, cu_k, scale=self.scale)
+            o = mla_ref.mla_prefill(q_THQ, k_nope, k_rope, v, _offsets(q_lens),
+                                    _offsets(k_lens), scale=self.scale)  # fmt: skip
             return o.to(q_THQ.dtype)
         from k3kernels.mla.prefill import mla_prefill  # imports triton
 
         dev = q_THQ.device
-        return mla_prefill(
-            q_THQ, k_nope, k_rope, v,
-            torch.tensor(cu_q, dtype=torch.int32).to(dev, non_blocking=True),
-            torch.tensor(cu_k, dtype=torch.int32).to(dev, non_blocking=True),
-            max_seqlen_q=max(q_lens, default=0), scale=self.scale,
-        )  # fmt: skip
+        if cu_q is None:
+            cu_q = torch.tensor(_offsets(q_lens)).to(dev, non_blocking=True)
+        if cu_k is None:
+            same = k_lens == q_lens
+            cu_k = cu_q if same else torch.tensor(_offsets(k_lens)).to(dev, non_blocking=True)
+        return mla_prefill(q_THQ, k_nope, k_rope, v, cu_q, cu_k,
+                           max_seqlen_q=max(q_lens, default=0), scale=self.scale)  # fmt: skip
 
     def attend_expanded(self, q_THQ, latent_SC, offset: int):
         """Causal attention of T queries at positions offset.. over S = offset + T latents
@@ -209,13 +213,3 @@ def _offsets(lens: list[int]) -> list[int]:
     for n in lens:
         out.append(out[-1] + n)
     return out
-
-
-def _token_positions(counts: list[int], starts: list[int], device):
-    """(seq [N], pos [N]) for sum(counts) packed tokens: token j of sequence b sits at position
-    starts[b] + j. Built on the host from the batch's lists, then copied once."""
-    counts_t = torch.tensor(counts, dtype=torch.long)
-    seq = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
-    first = torch.tensor(_offsets(counts)[:-1], dtype=torch.long)
-    pos = torch.arange(int(counts_t.sum())) - first[seq] + torch.tensor(starts)[seq]
-    return seq.to(device, non_blocking=True), pos.to(device, non_blocking=True)

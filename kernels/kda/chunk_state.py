@@ -30,8 +30,8 @@ whole batch (sum over sequences of cdiv(len, BT)), NB blocks of the arena.
 import torch
 import triton
 import triton.language as tl
-
 from k3kernels import INTERPRETED
+from k3kernels.kda.varlen import CHUNK_SIZE, as_varlen
 
 # Launch settings: the best of 36 on one H200 at k3-slice shapes (96 heads of 128, bf16; 1 x 8,192
 # and 4 x 2,048 tokens): 0.447 and 0.400 ms, as fast as fla's autotuned version of this loop
@@ -129,7 +129,8 @@ def chunk_state_prefill_(kg, w, u, gk, *, state_pool, slots, warm, cu_seqlens,
     kg, w: [T, H, K] (k's dtype); u: [T, H, V]; gk: [T, H, K] chunk-local cumulative log2
     gates (fp32); state_pool: [NB, H, K, V] fp32 (a view into the arena, each block's state
     contiguous); slots: [N] distinct int device indices; warm: [N] device ints or bools (0:
-    start from zeros); cu_seqlens: N+1 offsets (host list).
+    start from zeros); cu_seqlens: N+1 offsets, a host list or a `Varlen` (its device tables
+    reused).
     Returns (h [NT, H, K, V] in kg's dtype, the state entering each chunk; v_new [T, H, V] in
     u's dtype). The final states are written to state_pool[slots].
     """
@@ -147,8 +148,12 @@ def chunk_state_prefill_(kg, w, u, gk, *, state_pool, slots, warm, cu_seqlens,
     v_new = torch.empty_like(u)
     if N == 0:
         return h, v_new
-    # One host-to-device copy for both tables, queued without waiting for the device.
-    table = torch.tensor([cu_seqlens, offsets], dtype=torch.long).to(kg.device, non_blocking=True)
+    if chunk_size == CHUNK_SIZE:  # both tables from the batch's Varlen (one copy a forward)
+        varlen = as_varlen(cu_seqlens, kg.device)
+        table = (varlen.cu, varlen.chunk_offsets)
+    else:  # one host-to-device copy for both, queued without waiting for the device
+        table = torch.tensor([list(cu_seqlens), offsets], dtype=torch.long)
+        table = table.to(kg.device, non_blocking=True)
     # tl.dot needs every tile dim >= 16; masks cover the padding.
     block_v = max(16, min(block_v, triton.next_power_of_2(V)))
     upcast = INTERPRETED and (kg.dtype, w.dtype) != (torch.float32, torch.float32)

@@ -24,6 +24,7 @@ Shape legend: T packed tokens, N sequences, C channels, W conv width, NB blocks 
 import torch
 import triton
 import triton.language as tl
+from k3kernels.kda.varlen import as_varlen
 
 # Launch settings: the best of 18 on one H200 with the interior path (12,288 bf16 channels, 1 x
 # 8,192 and 4 x 2,048 tokens, within 1% of the best at both): 0.265 ms as timed with the host's
@@ -126,7 +127,8 @@ def short_conv_prefill_(x_TC, weight_CW, pool_BCW, slots_N, warm_N, cu_seqlens,
     x_TC: [T, C]; weight_CW: [C, W] (column W-1 multiplies the current token); pool_BCW:
     [NB, C, W-1] (a view into the arena, any strides), read and overwritten at rows `slots_N`
     (distinct int device indices); warm_N: [N] device ints or bools (0: start from zeros);
-    cu_seqlens: N+1 offsets (host list). Returns y [T, C] in x's dtype.
+    cu_seqlens: N+1 offsets, a host list or a `Varlen` (its device copy reused). Returns y
+    [T, C] in x's dtype.
     """
     T, C = x_TC.shape
     W = weight_CW.shape[1]
@@ -136,8 +138,8 @@ def short_conv_prefill_(x_TC, weight_CW, pool_BCW, slots_N, warm_N, cu_seqlens,
     N = len(cu_seqlens) - 1
     if N == 0:
         return y
-    cu = torch.tensor(cu_seqlens, dtype=torch.long).to(x.device, non_blocking=True)
-    max_len = max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+    varlen = as_varlen(cu_seqlens, x.device)
+    cu, max_len = varlen.cu, varlen.max_len
     weight = weight_CW.float().contiguous()
     common = (slots_N, warm_N)
     short_conv_prefill_kernel[(triton.cdiv(C, block_c), triton.cdiv(max_len, block_t), N)](

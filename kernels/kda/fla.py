@@ -22,13 +22,16 @@ W conv width. fla is imported lazily so that this module imports on any machine.
 """
 
 import torch
+from k3kernels.kda.varlen import CHUNK_SIZE, as_varlen
 
 
 def _cu_seqlens(cu_seqlens, device):
-    """(device LongTensor, CPU LongTensor) from a list of N+1 offsets. The copy is queued
-    without waiting for the device (a blocking one would drain the stream in every layer)."""
-    cu_cpu = torch.as_tensor(cu_seqlens, dtype=torch.long)
-    return cu_cpu.to(device, non_blocking=True), cu_cpu
+    """(device LongTensor, CPU LongTensor) of N+1 offsets (a list or a `Varlen`): the batch's
+    own tensors when it is a `Varlen`, so that fla's identity-keyed caches (`tensor_cache`:
+    `prepare_chunk_indices` copies its table with a blocking `.to()`) hit from the second layer
+    of a forward on."""
+    varlen = as_varlen(cu_seqlens, device)
+    return varlen.cu, varlen.cu_cpu
 
 
 def _gate_args(A_log, dt_bias, lower_bound):
@@ -48,7 +51,7 @@ def kda_prefill(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, initial_st
 
     q, k: [T, H, K] after the conv, before the L2 norm; v: [T, H, V]; f: [T, H, K] raw decay
     logits; b: [T, H] raw beta logits; A_log [H] fp32; dt_bias [H*K] fp32; initial_state
-    [N, H, K, V] fp32; cu_seqlens: N+1 offsets (list).
+    [N, H, K, V] fp32; cu_seqlens: N+1 offsets (a list, or a `Varlen`).
     Returns (o [T, H, V] in q's dtype, final state [N, H, K, V] fp32).
     """
     from fla.ops.kda import chunk_kda
@@ -83,22 +86,21 @@ def kda_prefill_(
     reads and writes the recurrent state: no [N, H, K, V] gather or scatter around the call.
     q, k, v, f, b, A_log, dt_bias as in `kda_prefill`; state_pool [NB, H, K, V] fp32 (each
     block's state contiguous); slots [N], warm [N]: device tensors; cu_seqlens: N+1 offsets
-    (list). Returns o [T, H, V] in q's dtype.
+    (a list, or a `Varlen`: its device tables reused). Returns o [T, H, V] in q's dtype.
     """
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.common.gate import fused_beta_sigmoid_fwd
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
     from fla.ops.kda.gate import kda_gate_chunk_cumsum
-    from fla.ops.utils import prepare_chunk_indices
     from fla.ops.utils.constant import RCP_LN2
-
     from k3kernels.kda.chunk_state import chunk_state_prefill_
 
-    BT = 64  # chunk_kda's default chunk size
-    cu, cu_cpu = _cu_seqlens(cu_seqlens, q.device)
-    chunk_indices = prepare_chunk_indices(cu, BT, cu_seqlens_cpu=cu_cpu)
-    varlen = dict(cu_seqlens=cu, chunk_size=BT, chunk_indices=chunk_indices)
+    BT = CHUNK_SIZE  # chunk_kda's default chunk size
+    # The chunk table on the device from the batch's one copy: fla's `prepare_chunk_indices`
+    # would make it with a blocking copy (a wait for the GPU per layer).
+    table = as_varlen(cu_seqlens, q.device)
+    varlen = dict(cu_seqlens=table.cu, chunk_size=BT, chunk_indices=table.chunk_indices)
     q, k, v, f = (t.contiguous()[None] for t in (q, k, v, f))  # [1, T, H, *], as chunk_kda
     q, _ = l2norm_fwd(q)
     k, _ = l2norm_fwd(k)
@@ -117,7 +119,7 @@ def kda_prefill_(
     )
     h, v_new = chunk_state_prefill_(
         kg[0], w[0], u[0], g[0], state_pool=state_pool, slots=slots, warm=warm,
-        cu_seqlens=cu_seqlens, chunk_size=BT,
+        cu_seqlens=table, chunk_size=BT,
     )  # fmt: skip
     o = chunk_gla_fwd_o_gk(q=q, v=v_new[None], g=g, A=Aqk, h=h[None], scale=scale, **varlen)
     return o[0]

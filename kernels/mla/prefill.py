@@ -157,9 +157,10 @@ def mla_prefill(
 
     q_THQ: [T, H, Dn + R] ([q_nope | q_rope]); k_nope [S, H, Dn], k_rope [S, R] (one key per
     token, all heads), v [S, H, Dv]: any strides with the last dim contiguous (views into the
-    kv_b_proj output and the latent are fine). cu_seqlens_q / cu_seqlens_k: [B + 1] int32
-    device tensors; sequence b's k_len - q_len >= 0 keys before its new tokens are its cached
-    prefix. max_seqlen_q: host int >= every q_len (sizes the grid). config: block_m, block_n,
+    kv_b_proj output and the latent are fine). cu_seqlens_q / cu_seqlens_k: [B + 1] int32 or
+    int64 device tensors (the model passes its batch's int64 offsets, shared by its layers);
+    sequence b's k_len - q_len >= 0 keys before its new tokens are its cached prefix.
+    max_seqlen_q: host int >= every q_len (sizes the grid). config: block_m, block_n,
     num_warps, num_stages (default `launch_config`). Returns o [T, H, Dv] in q's dtype.
     Reference: `reference.mla_prefill`.
     """
