@@ -96,10 +96,26 @@ def pd_job(config, calibration, cluster, *, max_num_seqs: int = 0) -> dict:
     cfg = EngineConfig(chunk_size=PROMPT, max_num_seqs=max_num_seqs)
     row = estimate_layout(config, plan, calibration, cluster, work, engine_config=cfg)
     return {"tok_s_per_gpu": row.output_tok_s_per_gpu, "user_tok_s": row.user_tok_s,
-            "max_num_seqs": row.max_num_seqs, "binds": row.binds, "why": row.why}  # fmt: skip
+            "max_num_seqs": row.max_num_seqs, "binds": row.binds, "why": row.why,
+            "arena_requests": plan.max_requests, "gpus": plan.num_gpus}  # fmt: skip
 
 
-def seed_table(calibration: Calibration, cluster_name: str = "gb300x4x2") -> list[str]:
+def pd_gap(pd: dict) -> str:
+    """The PD row's gap in the model's terms: how many sequences decode at once, published
+    (tok/s per GPU x the seed's 8 GPUs / tok/s per user) against the engine's bound here."""
+    published = 2808 * 8 / 18.7
+    return (f"  gap: the published figures mean {published:,.0f} sequences decoding at once "
+            f"(2,808 x 8 GPUs / 18.7); here at most max_num_seqs {pd['max_num_seqs']}, and the "
+            f"TP8 group's arena holds {pd['arena_requests']:,} requests of {PROMPT + 1024:,} "
+            f"tokens (the MLA latent whole on every rank without DCP); tok/s per GPU counts the "
+            f"replica's {pd['gpus']} GPUs (prefill stages too); routed experts run as bf16 "
+            f"GEMMs on unpacked MXFP4 (no FP4 tensor cores)")
+
+
+def seed_table(calibration: Calibration, cluster_name: str = "gb300x4x2",
+               pd_seqs: tuple[int, ...] = (0, 256)) -> list[str]:  # fmt: skip
+    """The table's lines; pd_seqs: the max_num_seqs of the PD rows (0: the engine's own), each
+    a job estimate of minutes on the CPU."""
     from k3batch.parallel.plan import checkpoint_config
 
     config = checkpoint_config("k3")
@@ -140,7 +156,8 @@ def seed_table(calibration: Calibration, cluster_name: str = "gb300x4x2") -> lis
                    f"DCP8 capacity), step {1e3 * sd['step_s']:.1f} ms")
     except KeyError as e:
         missing(what, "541", e)
-    for seqs in (0, 256):
+    last = None
+    for seqs in pd_seqs:
         what = f"PP8 -> TP8 decode, 8K/1K (tok/s/GPU), seqs {seqs or 'auto'}"
         try:
             pd = pd_job(config, cal, cluster, max_num_seqs=seqs)
@@ -152,6 +169,9 @@ def seed_table(calibration: Calibration, cluster_name: str = "gb300x4x2") -> lis
             continue
         row(what, f"{pd['tok_s_per_gpu']:,.0f}", "2,808", f"{pd['tok_s_per_gpu'] / 2808:.2f}")
         out.append(f"  per user {pd['user_tok_s']:.1f} tok/s (published 18.7); {pd['binds']}")
+        last = pd
+    if last is not None:
+        out.append(pd_gap(last))
     return out
 
 
