@@ -43,7 +43,7 @@ from k3batch.bench.layer_parts import (
     part_case,
     probe_model,
 )
-from k3batch.bench.roofline import BF16_TFLOPS, COPY_TBPS
+from k3batch.bench.roofline import BF16_TFLOPS, COPY_TBPS, gpu_rates
 from k3batch.model import get_flavor
 from k3batch.model.moe import EXPERT_DTYPES
 from k3batch.parallel.layout import ParallelLayout
@@ -67,17 +67,18 @@ class CalibrateSpec:
     experts: tuple[str, ...] = ("bf16", "mxfp4")
     repeats: int = 5
     budget_s: float = 480.0
-    peak_flops: float = BF16_TFLOPS * 1e12  # default: the measured GPU's (`peak_rates`)
+    peak_flops: float = BF16_TFLOPS * 1e12  # default: the measured GPU's (`roofline.gpu_rates`)
     peak_bytes_per_s: float = COPY_TBPS * 1e12
     seed: int = 0
 
     @classmethod
     def for_device(cls, device: str, **given) -> "CalibrateSpec":
         """The defaults for `device` ("cpu": small shapes, seconds for k3-debug; a GPU: its
-        peak rates, `peak_rates`), then the given fields that are not None."""
+        peak rates, `roofline.gpu_rates`), then the given fields that are not None."""
         base = dict(CPU_SHAPES) if device == "cpu" else {}
         if torch.device(device).type == "cuda":
-            base["peak_flops"], base["peak_bytes_per_s"] = peak_rates(gpu_name(device))
+            tflops, tbps = gpu_rates(gpu_name(device))
+            base["peak_flops"], base["peak_bytes_per_s"] = tflops * 1e12, tbps * 1e12
         return cls(device=device, **base | {k: v for k, v in given.items() if v is not None})
 
     def validate(self) -> "CalibrateSpec":
@@ -250,21 +251,6 @@ def _header(run: _Run, command: str, commit) -> dict:
         "attn_res_bank": mean_bank(run.config) if run.config.has_attn_res else None,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }  # fmt: skip
-
-
-def peak_rates(name: str) -> tuple[float, float]:
-    """The FLOP/s and bytes/s a GPU's points are taken against: the H200's measured here;
-    another catalogued GPU (`sim.cluster.GPUS`, matched by name) at its datasheet's rates
-    derated to the fractions the H200 reaches of its own (`sim.cluster.derated`); else the
-    H200's (say so with --peak-flops / --peak-bytes-per-s)."""
-    from k3batch.sim.cluster import GPUS, derated
-
-    words = name.lower().removeprefix("nvidia ").split()
-    gpu = GPUS.get(words[0] if words else "")
-    if gpu is None:
-        return BF16_TFLOPS * 1e12, COPY_TBPS * 1e12
-    gpu = derated(gpu)
-    return gpu.bf16_flops, gpu.hbm_bytes_per_s
 
 
 def gpu_name(device: str) -> str:

@@ -143,7 +143,8 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, prof
     click.echo(
         f"decode step {row['decode_step_ms']} ms; roofline {row['decode_floor_ms']} ms "
         f"({row['decode_roofline_x']}x) = {row['decode_floor_parts_ms']} ms: each part's bytes "
-        "at 4.26 TB/s or FLOPs at 777 TFLOP/s, whichever takes longer"
+        f"at {row['peak_tbps']:.2f} TB/s or FLOPs at {row['peak_tflops']:.0f} TFLOP/s "
+        f"({row['gpu']}'s, `roofline.gpu_rates`), whichever takes longer"
     )
     _append_jsonl(json_path, [row])
 
@@ -347,7 +348,7 @@ def _csv(ctx, param, value):
               help="No point starts after this many seconds.")
 @click.option("--peak-flops", type=float,
               help="FLOP/s the efficiency is taken against (default: the GPU's, "
-                   "`calibrate.peak_rates`; the H200's measured 777e12).")  # fmt: skip
+                   "`roofline.gpu_rates`; the H200's measured 777e12).")  # fmt: skip
 @click.option("--peak-bytes-per-s", type=float,
               help="Bytes/s the efficiency is taken against (default: the GPU's; the H200's "
                    "measured 4.26e12).")  # fmt: skip

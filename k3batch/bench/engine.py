@@ -5,9 +5,10 @@ prefill and decode speed, prefill MFU, peak memory and (with --profile) the top 
 
 MFU counts useful FLOPs as 2 x active parameters per token (`k3batch.bench.roofline.active_params`:
 every projection, the top-k routed experts and the shared experts, the LM head; not the
-embedding lookup, not the attention scores), over BF16_TFLOPS (bf16 GEMM measured on the H200):
-k3-slice has 6.78 B active parameters, so 100% is about 57k tokens/s; kimi-linear has 3.11 B,
-so 100% is about 125k tokens/s.
+embedding lookup, not the attention scores), over the GPU's bf16 peak (`roofline.gpu_rates`: the
+bf16 GEMM measured on the H200, 777 TFLOP/s; another GPU's datasheet derated alike): on the
+H200 k3-slice has 6.78 B active parameters, so 100% is about 57k tokens/s; kimi-linear has
+3.11 B, so 100% is about 125k tokens/s. The decode roofline is at the same GPU's rates.
 
 Teaching model: n equal chunks through P stages take n + P - 1 chunk-times, in which each stage
 works n of them, so the fill (mean busy fraction) is n / (n + P - 1): 5 chunks over 8 stages
@@ -23,7 +24,7 @@ import torch
 
 from k3batch.engine.config import EngineConfig
 from k3batch.model.forward_batch import ForwardBatch
-from k3batch.bench.roofline import BF16_TFLOPS, active_params
+from k3batch.bench.roofline import active_params, gpu_rates
 
 
 def teaching_fill(num_chunks: int, num_stages: int) -> float:
@@ -227,16 +228,20 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
     prefill()
     t_decode, _ = decode()
     step_ms = 1000 * t_decode / max(new_tokens - 1, 1)  # the first token came with the prefill
-    floor = _decode_floor(engine, model, prefill, decode, batch * [prompt_len + new_tokens // 2])
+    gpu = torch.cuda.get_device_name() if cuda else "cpu"
+    tflops, tbps = gpu_rates(gpu)
+    floor = _decode_floor(engine, model, prefill, decode, batch * [prompt_len + new_tokens // 2],
+                          tflops=tflops, tbps=tbps)  # fmt: skip
     flops_per_token = 2 * active_params(model.config)
 
     def mfu(tps):
-        return round(100 * tps * flops_per_token / 1e12 / BF16_TFLOPS, 1)
+        return round(100 * tps * flops_per_token / 1e12 / tflops, 1)
 
     tps = {impl: batch * prompt_len / statistics.median(t) for impl, t in times.items()}
     prefill_tps = tps[gemms[0]]
     row = {
-        "flavor": flavor if model_dir is None else None, "device": device, "batch": batch,
+        "flavor": flavor if model_dir is None else None, "device": device, "gpu": gpu,
+        "peak_tflops": round(tflops, 1), "peak_tbps": round(tbps, 3), "batch": batch,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens, "chunk_size": chunk_size, "build_s": round(build_s, 1),
         "graphs": engine.runner.graphs is not None and bool(engine.runner.graphs.graphs),
@@ -268,7 +273,7 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
     return row
 
 
-def _decode_floor(engine, model, prefill, decode, context_lens):
+def _decode_floor(engine, model, prefill, decode, context_lens, **rates):
     """The roofline of the measured decode steps (`k3batch.bench.roofline`): one more prefill, its
     first decode step under a route counter (the experts a step selects), then the rest."""
     from k3batch.bench.roofline import RouteCounter, decode_floor
@@ -279,7 +284,7 @@ def _decode_floor(engine, model, prefill, decode, context_lens):
         engine.step()
     engine.runner.eager = False
     decode()
-    return decode_floor(model, context_lens=context_lens, experts_selected=rc.selected)
+    return decode_floor(model, context_lens=context_lens, experts_selected=rc.selected, **rates)
 
 
 PROFILED_DECODE_STEPS = 8

@@ -1,5 +1,6 @@
-"""Rooflines: the least time a piece of work needs on one H200, its FLOPs at the bf16 GEMM peak
-or its bytes at the copy bandwidth, whichever is longer (`roofline_ms`); the decode step's,
+"""Rooflines: the least time a piece of work needs on one GPU, its FLOPs at the bf16 GEMM peak
+or its bytes at the copy bandwidth, whichever is longer (`roofline_ms`; the peaks are the H200's
+measured here unless given, `gpu_rates` names another GPU's); the decode step's,
 component by component (`decode_floor`); and the prefill's useful FLOPs, 2 x `active_params` per
 token, which `bench engine`'s MFU divides by the peak.
 
@@ -33,18 +34,37 @@ BF16_TFLOPS = 777.0  # dense bf16 GEMM measured on the H200
 COMPONENTS = ("dense", "experts", "kda", "mla")
 
 
-def roofline_ms(flops: float, nbytes: float) -> float:
+def roofline_ms(flops: float, nbytes: float, tflops: float = BF16_TFLOPS,
+                tbps: float = COPY_TBPS) -> float:  # fmt: skip
     """The longer of the FLOPs at the bf16 peak and the bytes at the copy bandwidth."""
-    return max(flops / BF16_TFLOPS / 1e9, nbytes / COPY_TBPS / 1e9)
+    return max(flops / tflops / 1e9, nbytes / tbps / 1e9)
+
+
+def gpu_rates(name: str) -> tuple[float, float]:
+    """(TFLOP/s, TB/s) that GPU `name`'s work is taken against: the H200's measured here; another
+    catalogued GPU (`sim.cluster.GPUS`, matched by name: "NVIDIA H100 80GB HBM3" is h100) at its
+    datasheet's rates derated to the fractions the H200 reaches of its own
+    (`sim.cluster.derated`); anything else (the CPU) the H200's."""
+    from k3batch.sim.cluster import GPUS, derated
+
+    words = name.lower().removeprefix("nvidia ").split()
+    gpu = GPUS.get(words[0] if words else "")
+    if gpu is None:
+        return BF16_TFLOPS, COPY_TBPS
+    gpu = derated(gpu)
+    return gpu.bf16_flops / 1e12, gpu.hbm_bytes_per_s / 1e12
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DecodeFloor:
     bytes: dict[str, int]  # component -> bytes the step must move
     flops: dict[str, int]  # component -> FLOPs it must do (0 for the KDA states)
+    tflops: float = BF16_TFLOPS  # the peaks the floor is taken at (`gpu_rates`)
+    tbps: float = COPY_TBPS
 
     def ms(self) -> dict[str, float]:
-        return {c: roofline_ms(self.flops[c], self.bytes[c]) for c in COMPONENTS}
+        return {c: roofline_ms(self.flops[c], self.bytes[c], self.tflops, self.tbps)
+                for c in COMPONENTS}  # fmt: skip
 
     def floor_ms(self) -> float:
         return sum(self.ms().values())
@@ -54,12 +74,12 @@ def _is_routed(name: str) -> bool:
     return ".block_sparse_moe.experts." in name
 
 
-def decode_floor(model, *, context_lens: list[int],
-                 experts_selected: dict[int, int]) -> DecodeFloor:  # fmt: skip
+def decode_floor(model, *, context_lens: list[int], experts_selected: dict[int, int],
+                 tflops: float = BF16_TFLOPS, tbps: float = COPY_TBPS) -> DecodeFloor:  # fmt: skip
     """Bytes and FLOPs of one decode step of `model` (a K3Model or a pipeline stage of one, any
     device, meta included; only the layers it holds count) over sequences with `context_lens`
     tokens already cached; experts_selected: MoE layer index -> number of distinct routed
-    experts the step's tokens chose there."""
+    experts the step's tokens chose there; tflops, tbps: the peaks its floor is taken at."""
     cfg = model.config
     B = len(context_lens)
     dense = dense_params = 0
@@ -91,6 +111,7 @@ def decode_floor(model, *, context_lens: list[int],
         bytes={"dense": dense, "experts": experts, "kda": kda,
                "mla": tokens * cfg.mla_latent_size * act_bytes},
         flops={"dense": 2 * B * dense_params, "experts": expert_flops, "kda": 0, "mla": mla_flops},
+        tflops=tflops, tbps=tbps,
     )  # fmt: skip
 
 

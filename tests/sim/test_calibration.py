@@ -178,12 +178,11 @@ def test_decode_counts_agree_with_the_roofline():
 def test_a_tables_peak_rates_are_its_gpus():
     """The efficiency of a point is taken against the measured GPU's rates: the H200's as
     measured here, an H100's datasheet derated as the H200's is, the H200's for an unknown."""
-    from k3batch.bench.calibrate import peak_rates
-    from k3batch.bench.roofline import BF16_TFLOPS, COPY_TBPS
+    from k3batch.bench.roofline import BF16_TFLOPS, COPY_TBPS, gpu_rates
     from k3batch.sim.cluster import GPUS, derated
 
-    assert peak_rates("NVIDIA H200") == (BF16_TFLOPS * 1e12, COPY_TBPS * 1e12)
+    assert gpu_rates("NVIDIA H200") == pytest.approx((BF16_TFLOPS, COPY_TBPS))
     h100 = derated(GPUS["h100"])
-    assert peak_rates("NVIDIA H100 80GB HBM3") == (h100.bf16_flops, h100.hbm_bytes_per_s)
+    assert gpu_rates("NVIDIA H100 80GB HBM3") == (h100.bf16_flops / 1e12, h100.hbm_bytes_per_s / 1e12)
     assert h100.hbm_bytes_per_s < COPY_TBPS * 1e12
-    assert peak_rates("cpu") == (BF16_TFLOPS * 1e12, COPY_TBPS * 1e12)
+    assert gpu_rates("cpu") == (BF16_TFLOPS, COPY_TBPS)
