@@ -4,21 +4,30 @@
 # Each row is `k3batch bench engine --flavor kimi-linear` (random weights made on the GPU) with
 # its JSON appended to $OUT/engine_kimi_linear.jsonl and its output to $OUT/engine_kimi_linear.txt;
 # rows run in order while SECONDS (default 540) last. MXFP4 experts (packed, 29 GB) on any card;
-# bf16 experts (98 GB) only where the GPU holds them (an H200).
+# bf16 experts (98 GB) only where the GPU holds them (an H200). Decode rows run 64 new tokens
+# (a few steps would time the overlap's fill and drain, not the step); the 1 x 8,192 prefill
+# runs with and without the prefix cache (with it the prompt is also cut at 8,176: a second
+# forward of 16 tokens), the second under the profiler. First, benchmarks/prefill_host_gpu.py:
+# one 8K forward's host enqueue time against its GPU time, and its synchronizing calls.
 set -u
 budget=${1:-540}
 t0=$SECONDS
 gib=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+git rev-parse --short HEAD >> "$OUT/gpu.txt"
+timeout 120 python3 benchmarks/prefill_host_gpu.py --flavor kimi-linear --experts mxfp4 \
+  --tokens 8192 2>&1 | grep -v Warning | tee "$OUT/prefill_host_gpu.txt"
 rows=(
-  "mxfp4 1 8192 4" "mxfp4 64 1024 4" "mxfp4 16 1024 8" "mxfp4 256 1024 4"
+  "mxfp4 1 8192 64" "mxfp4 1 8192 64 --no-prefix-cache --profile" "mxfp4 16 1024 64"
+  "mxfp4 64 1024 64" "mxfp4 256 1024 64"
 )
-[ "$gib" -ge 120 ] && rows+=("bf16 1 8192 4" "bf16 64 1024 4" "bf16 16 1024 8")
+[ "$gib" -ge 120 ] && rows+=("bf16 1 8192 64" "bf16 16 1024 64" "bf16 64 1024 64")
 for row in "${rows[@]}"; do
-  read -r experts batch len new <<<"$row"
+  read -r experts batch len new extra <<<"$row"
   left=$((budget - (SECONDS - t0)))
   [ "$left" -lt 60 ] && { echo "skipped (time): $row"; continue; }
   echo "=== $row ($left s left)"
   timeout "$left" python3 -m k3batch.cli bench engine --flavor kimi-linear --device cuda \
     --expert-dtype "$experts" --batch "$batch" --prompt-len "$len" --new-tokens "$new" \
-    --chunk-size 8192 --json "$OUT/engine_kimi_linear.jsonl" 2>&1 | grep -v Warning
+    --chunk-size 8192 $extra --json "$OUT/engine_kimi_linear.jsonl" 2>&1 | grep -v Warning
 done 2>&1 | tee -a "$OUT/engine_kimi_linear.txt"

@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | t
 git rev-parse --short HEAD 2>/dev/null >> "$OUT/gpu.txt"
 if [[ $parts == *tests* ]]; then
   echo "=== tests ($(left) s left)"
-  timeout $(( $(left) < 200 ? $(left) : 200 )) python3 -m pytest -q -m gpu -p no:cacheprovider \
+  TRITON_F32_DEFAULT=ieee timeout $(( $(left) < 200 ? $(left) : 200 )) python3 -m pytest -q -m gpu -p no:cacheprovider \
     tests/kernels/test_moe.py tests/kernels/test_mla_prefill.py tests/kernels/test_mla_decode.py \
     -k kimi 2>&1 | tail -20 | tee "$OUT/kimi_kernel_tests.txt"
 fi

@@ -112,9 +112,11 @@ def _moe_gemms(ctx, param, value: str) -> str:
               "torch; MXFP4: the Gluon kernel at decode sizes on Hopper, else Triton's), torch "
               "(MXFP4: dequantized per call) or triton; several, comma-separated "
               "(torch,triton): prefill alternates between them in one process, a median each.")
+@click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+              help="As the engine's: with it a prompt is also cut at its last page boundary.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, profile, cuda_graphs,
-                 overlap, expert_dtype, model_dir, moe_gemm, json_path):  # fmt: skip
+                 overlap, expert_dtype, model_dir, moe_gemm, prefix_cache, json_path):  # fmt: skip
     """Single-device engine throughput, prefill MFU and peak memory on random weights or a
     checkpoint."""
     from k3batch.actors.build import default_device
@@ -133,6 +135,7 @@ def bench_engine(flavor, device, batch, prompt_len, new_tokens, chunk_size, prof
         expert_dtype=expert_dtype,
         model_dir=model_dir,
         moe_gemm=moe_gemm,
+        prefix_cache=prefix_cache,
     )
     if profile:
         from k3batch.bench.engine import PROFILED_DECODE_STEPS

@@ -132,13 +132,16 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
                       chunk_size: int, seed: int = 0, profile: bool = False,
                       cuda_graphs: bool = True, overlap: bool = True,
                       expert_dtype: str | None = None, model_dir: str | None = None,
-                      moe_gemm: str = "auto") -> dict:  # fmt: skip
+                      moe_gemm: str = "auto", prefix_cache: bool = True) -> dict:  # fmt: skip
     """Single-device engine speed on random weights made on the device, or on the checkpoint at
     `model_dir` (its own flavor; experts as stored unless expert_dtype says otherwise):
     prefill tokens/s over `batch` prompts (median of PREFILL_REPEATS), then decode tokens/s
     with all of them running, and the decode step beside its roofline
-    (`k3batch.bench.roofline`: each part's bytes at the H200's copy bandwidth or its FLOPs at the
-    bf16 peak).
+    (`k3batch.bench.roofline`: each part's bytes at the GPU's copy bandwidth or its FLOPs at
+    its bf16 peak). "prefill_forwards": the forwards one prefill of the batch took: with the
+    prefix cache each prompt is also cut at its last page boundary (its checkpoint), so a lone
+    8,192-token prompt takes 8,176 tokens and then 16; `prefix_cache=False` cuts it only at
+    chunk_size.
     With `profile`, one more prefill and then its first PROFILED_DECODE_STEPS decode steps
     run under the torch profiler, and the row gets "profile" and "decode_profile": the top
     ops by self GPU time (CPU time without CUDA). moe_gemm: the routed experts' grouped GEMM
@@ -175,7 +178,8 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
     use_gemm(gemms[0])
     cfg = EngineConfig(max_num_seqs=batch, max_seq_len=prompt_len + new_tokens + 1,
                        chunk_size=chunk_size, max_batch_tokens=max(chunk_size, 8192),
-                       cuda_graphs=cuda_graphs, overlap=overlap)  # fmt: skip
+                       cuda_graphs=cuda_graphs, overlap=overlap,
+                       prefix_cache=prefix_cache)  # fmt: skip
     t0 = time.perf_counter()
     engine = Engine(model, cfg)  # on CUDA: captures the decode graphs (warm-up included)
     capture_s = time.perf_counter() - t0
@@ -188,6 +192,7 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
             torch.cuda.synchronize()
 
     first_only = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
+    forwards: list[int] = []  # engine steps of each prefill (each one forward, overlap aside)
 
     def prefill(params=sp):
         for i in range(batch):
@@ -195,11 +200,13 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
                 str(i), torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), params
             )
         sync()
-        t = time.perf_counter()
+        t, steps = time.perf_counter(), 1
         engine.step()  # admits everything
         while any(r.phase is Phase.PREFILL for r in engine.running):
             engine.step()
+            steps += 1
         sync()
+        forwards.append(steps)
         return time.perf_counter() - t
 
     def decode(max_steps=None):
@@ -249,7 +256,8 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
         "capture_s": round(capture_s, 1),
         "prefill_tokens_per_s": round(prefill_tps, 1),
         "prefill_tflops": round(prefill_tps * flops_per_token / 1e12, 1),
-        "prefill_mfu_pct": mfu(prefill_tps),
+        "prefill_mfu_pct": mfu(prefill_tps), "prefill_forwards": forwards[-1],
+        "prefix_cache": prefix_cache,
         "decode_tokens_per_s": round(batch * (new_tokens - 1) / t_decode, 1),
         "decode_step_ms": round(step_ms, 2),
         "decode_floor_ms": round(floor.floor_ms(), 3),
