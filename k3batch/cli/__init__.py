@@ -261,7 +261,8 @@ def eval_cmd(suite, lm_eval_tasks, include_path, num_fewshot, limit, seed, job_f
 @click.option("--chunk-size", default=None, type=int,
               help="--estimate without --job: the engine's (default 8192).")  # fmt: skip
 @click.option("--calibration", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="--estimate: the calibration table (default benchmarks/calibration_h200.jsonl).")
+              help="--estimate: the calibration table (default: the recorded one, "
+              "benchmarks/calibration_h200.jsonl, else _h100).")  # fmt: skip
 def plan_cmd(flavor, model_dir, gpu, pp, tp, dcp, min_requests, memory_fraction, page_size,
              context_len, cache_gib, reserve_gib, experts, estimate, cluster, nodes, job_path,
              num_prompts, input_len, output_len, max_num_seqs, chunk_size,

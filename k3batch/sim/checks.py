@@ -15,7 +15,7 @@ from k3batch.bench.layouts import LayoutBench, comm_bytes_per_1k
 from k3batch.model import get_flavor
 from k3batch.sim import records
 from k3batch.sim.calibration import experts_key
-from k3batch.sim.records import BENCH, expert_dtype
+from k3batch.sim.records import BENCH, expert_dtype, recorded_tables
 from k3batch.sim.replay import (
     sim_decode_step,
     sim_engine,
@@ -25,7 +25,7 @@ from k3batch.sim.replay import (
     sim_tp_prefill,
 )
 
-TABLES = ("calibration_h200.jsonl", "calibration_h200_k3-slice.jsonl")  # k3, then k3-slice
+TABLES = recorded_tables()  # k3, then k3-slice
 GROUPS = ("engine", "job", "layouts", "pd", "fill")
 TOLERANCE = {"engine": 0.10, "job": 0.10, "layouts": 0.15, "pd": 0.15, "fill": 0.10}
 FILL_FLAVOR = "k3-debug"  # pipeline_fill_cpu: `make demo`'s model (benchmarks/README.md)

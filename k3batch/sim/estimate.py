@@ -30,7 +30,6 @@ import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -39,9 +38,10 @@ from k3batch.engine.request import SamplingParams
 from k3batch.parallel.plan import Plan, make_plan, pool_bytes, tp_sizes
 from k3batch.sim.clock import HostCost, drive
 from k3batch.sim.cost import build_replica
+from k3batch.sim.records import BENCH, recorded_tables
 from k3batch.sim.workload import Workload
 
-DEFAULT_TABLE = Path(__file__).resolve().parents[2] / "benchmarks" / "calibration_h200.jsonl"
+DEFAULT_TABLE = BENCH / recorded_tables()[0]  # the recorded k3 table (the H200's, else the H100's)
 MIN_SAMPLE = 32  # requests of the first run, at least
 
 

@@ -9,6 +9,15 @@ import re
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+MEASURED_GPUS = ("h200", "h100")  # whose recorded calibration tables are the default, in order
+
+
+def recorded_tables() -> tuple[str, str]:
+    """The default calibration tables (k3's, then k3-slice's), under BENCH: those of the first
+    GPU of MEASURED_GPUS that has a k3 table (the H200's, else the H100's)."""
+    gpu = next((g for g in MEASURED_GPUS if (BENCH / f"calibration_{g}.jsonl").exists()),
+               MEASURED_GPUS[0])  # fmt: skip
+    return f"calibration_{gpu}.jsonl", f"calibration_{gpu}_k3-slice.jsonl"
 
 
 def read_jsonl(path) -> list[dict]:

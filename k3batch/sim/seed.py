@@ -1,12 +1,13 @@
 """The seed's published K3 figures beside what the simulation predicts for them (issue 55):
 
-    python -m k3batch.sim.seed [--calibration benchmarks/calibration_h200.jsonl] [--cluster gb300x4x2]
+    python -m k3batch.sim.seed [--calibration benchmarks/calibration_h100.jsonl] [--cluster gb300x4x2]
 
 The seed measured K3 on "2x4 GB300" (read here as 2 nodes of 4 GB300, NVLink 5 inside a node,
 InfiniBand XDR between: `cluster_from("gb300x4x2")`; `--cluster gb300-nvl72` puts all 8 on
-NVLink). The inputs are the H200 calibration carried to the GB300 by its derated published
-peak rates (`sim.cluster.derated`: the fractions of the datasheet that our H200 reaches), the
-communication model at the cluster's links, and the engine on the virtual clock. Nothing is
+NVLink). The inputs are the recorded calibration (`sim.records.recorded_tables`) carried to
+the GB300 by its derated published peak rates (`sim.cluster.derated`: the fractions of the
+datasheet that our H200 reaches), the communication model at the cluster's links, and the
+engine on the virtual clock. Nothing is
 fitted to the published numbers: a gap is explained by the model's terms in the table's notes.
 
 1. 8K-token prefill, PP8 against TEP8. PP8: a stream of 8,192-token prompts through 8 pipeline
