@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from k3batch.bench.roofline import BF16_TFLOPS, COPY_TBPS
+from k3batch.bench.roofline import device_rates
 
 
 def _median_ms(fn) -> float:
@@ -182,9 +182,9 @@ def run_mla_decode_bench(*, batch: int = 64, context_len: int = 8192, heads: int
     return {
         "batch": batch, "context_len": context_len, "heads": heads, "page_size": page_size,
         "latent_bytes": nbytes, "default": base | {"ms": default_ms, "tbps": tbps},
-        "default_fraction_of_copy": tbps / COPY_TBPS,
+        "default_fraction_of_copy": tbps / device_rates()[1],
         "best": best | {"tbps": nbytes / best["ms"] / 1e9},
-        "best_fraction_of_copy": nbytes / best["ms"] / 1e9 / COPY_TBPS,
+        "best_fraction_of_copy": nbytes / best["ms"] / 1e9 / device_rates()[1],
         "sweep": sorted(ok, key=lambda t: t["ms"])[:15],
         "errors": [t for t in tried if "error" in t][:10],
         "key": K.table_key(batch, heads, kv_lora, rope, page_size),
@@ -259,7 +259,7 @@ def run_mla_prefill_bench(*, seq_lens=(8192,), cached_lens=None, heads: int = 96
     return {
         "seq_lens": list(seq_lens), "cached_lens": cached, "heads": heads, "flops": flops,
         "default": base | {"ms": default_ms, "tflops": flops / default_ms / 1e9},
-        "default_fraction_of_bf16_peak": flops / default_ms / 1e9 / BF16_TFLOPS,
+        "default_fraction_of_bf16_peak": flops / default_ms / 1e9 / device_rates()[0],
         "best": best | {"tflops": flops / best["ms"] / 1e9},
         "sweep": sorted(ok, key=lambda t: t["ms"])[:10],
         "errors": [t for t in tried if "error" in t][:10],
@@ -305,10 +305,10 @@ def run_kda_decode_bench(*, batch: int = 64, heads: int = 96, head_dim: int = 12
     return {
         "batch": N, "heads": H, "head_dim": D, "state_bytes": nbytes,
         "default": base | {"ms": default_ms} | rate(default_ms),
-        "default_fraction_of_copy": rate(default_ms)["tbps"] / COPY_TBPS,
+        "default_fraction_of_copy": rate(default_ms)["tbps"] / device_rates()[1],
         "best": best | rate(best["ms"]),
         "fla": fla_row,
-        "fla_fraction_of_copy": fla_row["tbps"] / COPY_TBPS if fla else None,
+        "fla_fraction_of_copy": fla_row["tbps"] / device_rates()[1] if fla else None,
         "sweep": sorted(ok, key=lambda t: t["ms"])[:10],
         "errors": [t for t in tried if "error" in t][:10],
         "key": K.table_key(N, H, D, D), "launch": {k: best[k] for k in base},
@@ -352,9 +352,9 @@ def save_best(name: str, r: dict) -> Path:
 def format_result(name: str, r: dict) -> str:
     d, b = r["default"], r["best"]
     if "tbps" in d:
-        unit, ref = "TB/s", COPY_TBPS
+        unit, ref = "TB/s", device_rates()[1]
     else:
-        unit, ref = "TFLOP/s", BF16_TFLOPS
+        unit, ref = "TFLOP/s", device_rates()[0]
     key = "tbps" if unit == "TB/s" else "tflops"
     cfg = {k: v for k, v in d.items() if k not in ("ms", key)}
     bcfg = {k: v for k, v in b.items() if k not in ("ms", key)}

@@ -35,7 +35,7 @@ Times are CUDA-event medians of replays of a CUDA graph of a whole pass over all
 bound by the host's launches (7 layers at 1 token, MXFP4: ~4 ms eager for 0.25 ms of kernels).
 At decode shapes (few tokens) the column that matters is TB/s: the bytes of the experts the
 routes touch (each read once) over the time, against the copy bandwidth (4.26 TB/s on the
-H200).
+H200; every % is of the GPU's own rates, `roofline.device_rates`).
 "% of roofline" puts each time beside the least the GPU needs (`roofline_ms`): the FLOPs at
 the bf16 peak or the expert bytes at the copy bandwidth, whichever takes longer. At k3-slice
 prefill the bytes do: ~146 rows per expert (8,192 x 2 / 112) do 2 x 146 FLOPs per 2-byte
@@ -56,7 +56,7 @@ import torch
 from k3batch.bench.engine import profile_ops
 from k3batch.bench.kernels import sustained_clock, time_ms
 from k3batch.model import get_flavor
-from k3batch.bench.roofline import BF16_TFLOPS, COPY_TBPS, roofline_ms
+from k3batch.bench.roofline import device_rates, roofline_ms
 from k3kernels.moe.act import moe_act
 from k3kernels.moe.experts import fused_experts, pick_gemm
 from k3kernels.moe.grouped_gemm import grouped_mm
@@ -244,13 +244,13 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
         row_flops, bytes_read = own.get(impl, (flops, weight_bytes))
         if "mxfp4" in impl:
             bytes_read = packed_bytes
-        tflops = row_flops / ms / 1e9
+        tflops, peak = row_flops / ms / 1e9, device_rates()
         rows.append({"impl": impl, "flavor": flavor, "layers": num_layers, "tokens": num_tokens,
                      "ms": round(ms, 3), "ms_rounds": [round(t, 3) for t in times[impl]],
                      "tflops": round(tflops, 1),
                      "weight_tbps": round(bytes_read / ms / 1e9, 2),
-                     "pct_peak": round(100 * tflops / BF16_TFLOPS, 1),
-                     "pct_roofline": round(100 * roofline_ms(row_flops, bytes_read) / ms, 1),
+                     "pct_peak": round(100 * tflops / peak[0], 1),
+                     "pct_roofline": round(100 * roofline_ms(row_flops, bytes_read, *peak) / ms, 1),
                      })  # fmt: skip
         if clocks and impl != "loop-before":
             rows[-1] |= sustained_clock(fn)
@@ -359,9 +359,10 @@ def _loop_experts(x_TD, w13, w2, ids_Tk, weights_Tk, *, act, beta, linear_beta):
 
 def format_moe_table(rows: list[dict]) -> str:
     r0 = next((r for r in rows if "error" not in r), {"flavor": "?", "layers": "?", "tokens": "?"})
+    tflops, tbps = device_rates()
     lines = [
         f"routed experts, {r0['flavor']}: {r0['layers']} layers x {r0['tokens']} tokens, bf16; "
-        f"peak {BF16_TFLOPS:.0f} TFLOP/s",
+        f"peak {tflops:.0f} TFLOP/s, copy {tbps:.2f} TB/s",
         "impl                 |       ms | TFLOP/s | % of peak | expert TB/s | % of copy | "
         "% of roofline" + (" |  SM MHz |  watts" if any("sm_mhz" in r for r in rows) else ""),
     ]
@@ -371,7 +372,7 @@ def format_moe_table(rows: list[dict]) -> str:
             continue
         lines.append(
             f"{r['impl']:20s} | {r['ms']:8.3f} | {r['tflops']:7.1f} | {r['pct_peak']:8.1f}% | "
-            f"{r['weight_tbps']:11.2f} | {100 * r['weight_tbps'] / COPY_TBPS:8.1f}% | "
+            f"{r['weight_tbps']:11.2f} | {100 * r['weight_tbps'] / tbps:8.1f}% | "
             f"{r['pct_roofline']:12.1f}%"
             + (f" | {r['sm_mhz']:7d} | {r['watts']:6.1f}" if "sm_mhz" in r else "")
         )

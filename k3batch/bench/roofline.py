@@ -55,6 +55,11 @@ def gpu_rates(name: str) -> tuple[float, float]:
     return gpu.bf16_flops / 1e12, gpu.hbm_bytes_per_s / 1e12
 
 
+def device_rates() -> tuple[float, float]:
+    """`gpu_rates` of the current CUDA device (the H200's where there is none)."""
+    return gpu_rates(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DecodeFloor:
     bytes: dict[str, int]  # component -> bytes the step must move
