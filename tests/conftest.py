@@ -16,6 +16,12 @@ os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without a GPU, Triton kernels run through Triton's interpreter (tiny shapes), so CI checks every
+# kernel against its reference. Read when a kernel is decorated and by `k3kernels.INTERPRETED`
+# (the bf16 upcasts the interpreter needs): set before k3batch, which imports the kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from k3batch.model import K3Model, get_flavor  # noqa: E402
 from k3batch.model.init import init_random_  # noqa: E402
 from k3batch.model.weights import write_checkpoint  # noqa: E402
@@ -23,10 +29,6 @@ from k3batch.testing.simcluster import free_port, stop_session  # noqa: E402
 from k3batch.cli.submit import _client  # noqa: E402
 from k3batch.testing import K3_MINI  # noqa: E402
 
-# Without a GPU, Triton kernels run through Triton's interpreter (tiny shapes), so CI checks every
-# kernel against its reference. Read when a kernel is decorated: set before any kernel import.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The tiny CPU models are bound by per-op overhead; one intra-op thread avoids spin contention
 # on small CI machines.
