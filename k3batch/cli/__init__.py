@@ -275,14 +275,11 @@ def plan_cmd(flavor, model_dir, gpu, pp, tp, dcp, min_requests, memory_fraction,
     weights plus --requests requests of --context-len tokens per decode group; print every
     layout tried with why it does not fit (which side, GB over), then the chosen layout's plan."""
     from k3batch.model.config import K3Config
-    from k3batch.parallel.plan import (
+    from k3batch.parallel.plan import GiB, checkpoint_config, make_plan, with_experts
+    from k3batch.parallel.search import (
         DEFAULT_MIN_REQUESTS,
         DEFAULT_SEARCH_CONTEXT,
-        GiB,
-        checkpoint_config,
-        make_plan,
         smallest_layout,
-        with_experts,
     )
 
     if estimate:

@@ -35,7 +35,8 @@ import torch
 
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import SamplingParams
-from k3batch.parallel.plan import Plan, make_plan, pool_bytes, tp_sizes
+from k3batch.parallel.plan import Plan, make_plan, pool_bytes
+from k3batch.parallel.search import tp_sizes
 from k3batch.sim.clock import HostCost, drive
 from k3batch.sim.cost import build_replica
 from k3batch.sim.records import BENCH, recorded_tables

@@ -11,17 +11,19 @@ from click.testing import CliRunner
 from k3batch.cli import main
 from k3batch.driver.jobspec import load_job_spec
 from k3batch.parallel.plan import (
-    DEFAULT_MIN_REQUESTS,
-    DEFAULT_SEARCH_CONTEXT,
     MXFP4_BYTES_PER_PARAM,
     GiB,
     checkpoint_config,
     make_plan,
     pool_bytes,
+    weight_bytes,
+)
+from k3batch.parallel.search import (
+    DEFAULT_MIN_REQUESTS,
+    DEFAULT_SEARCH_CONTEXT,
     shortfall,
     smallest_layout,
     tp_sizes,
-    weight_bytes,
 )
 
 K3 = checkpoint_config("k3")
