@@ -52,7 +52,7 @@ ROW_SAMPLING_COLUMNS = (
 )
 
 
-INPUT_FORMATS = ("auto", "parquet", "jsonl", "csv", "arrow", "hf", "openai")  # io.source.FORMATS
+INPUT_FORMATS = ("auto", "parquet", "jsonl", "csv", "arrow", "hf", "openai")  # io.resolve.FORMATS
 OUTPUT_FORMATS = ("parquet", "jsonl", "openai")
 
 

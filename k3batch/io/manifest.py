@@ -14,8 +14,8 @@ import datetime
 import logging
 from dataclasses import dataclass
 
+from k3batch.io.resolve import InputFile
 from k3batch.io.sink import ShardSink
-from k3batch.io.source import InputFile
 
 MANIFEST_NAME = "_k3batch_manifest.json"
 MANIFEST_VERSION = 1

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from k3batch.io.source import filesystem_from_uri
+from k3batch.io.resolve import filesystem_from_uri
 
 _SHARD_RE = re.compile(r"^part-f(\d+)-b(\d+)\.(parquet|jsonl)$")
 _TEMP_SUFFIX = ".tmp"  # temp names are ".<final name>.<random>.tmp", hidden from dataset readers

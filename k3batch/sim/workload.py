@@ -3,7 +3,7 @@ many tokens each generates.
 
 `Workload.fixed(n, input_len, output_len)` is the benchmarks' workload (every prompt the same,
 EOS ignored). `workload_from_job(spec, sample_rows)` reads a job's own input: it lists the
-files as the job would (`io.source.resolve_input`), counts their rows, and tokenizes the first
+files as the job would (`io.resolve.resolve_input`), counts their rows, and tokenizes the first
 `sample_rows` rows through the job's row preparation (`driver.prompts.prepare_rows`: the same
 prompt columns, chat template and per-row `max_new_tokens`), so the lengths are the job's. A
 request's output length is its `max_new_tokens`: where the model stops early at EOS the job
@@ -64,7 +64,8 @@ def workload_from_job(spec, *, sample_rows: int = 2000) -> Workload:
     """The lengths of a job spec's (`driver.jobspec.JobSpec`) first `sample_rows` rows, as the
     job tokenizes them, and its total row count. Raises ValueError when no row can run."""
     from k3batch.driver.prompts import prepare_rows
-    from k3batch.io.source import count_rows, iter_units, resolve_input
+    from k3batch.io.resolve import resolve_input
+    from k3batch.io.source import count_rows, iter_units
     from k3batch.model.config import K3Config
 
     fs, files = resolve_input(spec.input.path, spec.input.format)

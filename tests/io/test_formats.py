@@ -9,7 +9,8 @@ import pyarrow as pa
 import pytest
 from pyarrow import feather
 
-from k3batch.io.source import count_rows, iter_units, resolve_input
+from k3batch.io.resolve import resolve_input
+from k3batch.io.source import count_rows, iter_units
 
 
 def _jsonl(path, lines: list) -> str:

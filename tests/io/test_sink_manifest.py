@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from k3batch.io.manifest import MANIFEST_NAME, Manifest, open_manifest
+from k3batch.io.resolve import resolve_input
 from k3batch.io.sink import ShardSink, shard_name
-from k3batch.io.source import resolve_input
 
 
 def rows(*ids: int) -> pa.Table:

@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from k3batch.io.source import count_rows, iter_units, resolve_input
+from k3batch.io.resolve import resolve_input
+from k3batch.io.source import count_rows, iter_units
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -282,7 +283,8 @@ def test_iter_units_bounded_memory(tmp_path):
         pkg.__path__ = [{str(REPO_ROOT / "k3batch")!r}]
         sys.modules["k3batch"] = pkg  # skip k3batch/__init__.py (imports torch)
         import pyarrow as pa
-        from k3batch.io.source import iter_units, resolve_input
+        from k3batch.io.resolve import resolve_input
+        from k3batch.io.source import iter_units
         fs, files = resolve_input({str(path)!r})
         num_rows = num_units = 0
         for unit in iter_units(fs, files, batch_rows=1000):
