@@ -4,7 +4,8 @@
 # diag: benchmarks/prefill_host_gpu.py on an 8K prefill (host enqueue vs GPU time, and syncs);
 # tests: the GPU kernel tests at Kimi Linear's shapes against their fp32 references;
 # tune: `bench moe --sweep --save-tuned` at its prefill (8,192 tokens) and decode (16 and 256)
-#   expert shapes, bf16 and MXFP4, into this GPU's tuned table (copied to $OUT/tuned);
+#   expert shapes, bf16 and MXFP4, then MLA decode/prefill and KDA decode at its 32 heads, into
+#   this GPU's tuned tables (copied to $OUT/tuned/<op>/: copy them back to kernels/<op>/tuned/);
 # job: `bench job --flavor kimi-linear --experts mxfp4` at 1,024 prompts of 1K in / 256 out
 #   (cold: checkpoint written, Triton cache as carried), then job-warm: the same job again with
 #   the checkpoint and the compiled kernels in place (no engine-alone run).
@@ -37,7 +38,16 @@ if [[ $parts == *tune* ]]; then
       --expert-dtype "$dtype" --repeats 5 --rounds 2 --sweep --save-tuned \
       --json "$OUT/moe_kimi_linear_sweep.jsonl" 2>&1 | grep -v Warning | tail -8
   done 2>&1 | tee -a "$OUT/moe_kimi_linear_tune.txt"
-  mkdir -p "$OUT/tuned" && cp kernels/moe/tuned/*.json "$OUT/tuned/"
+  for sweep in "mla-decode --heads 32 --page-size 16 --batch 1,16,64,256 --context-len 8192,1024,1024,1024" \
+               "mla-prefill --heads 32 --seq-lens 8192" "kda-decode --heads 32 --batch 1,16,64,256 --no-fla"; do
+    [ "$(left)" -lt 60 ] && { echo "skipped (time): $sweep"; continue; }
+    echo "=== sweep $sweep ($(left) s left)"
+    timeout 110 python3 -m k3batch.cli bench $sweep --sweep --save-tuned \
+      --json "$OUT/kernel_sweeps_kimi_linear.jsonl" 2>&1 | grep -v Warning | tail -3
+  done 2>&1 | tee -a "$OUT/moe_kimi_linear_tune.txt"
+  for op in moe mla kda; do  # one folder per op: the tables share the GPU's file name
+    mkdir -p "$OUT/tuned/$op" && cp kernels/$op/tuned/*.json "$OUT/tuned/$op/" 2>/dev/null
+  done
 fi
 for part in job job-warm; do
   [[ ",$parts," == *",$part,"* ]] || continue
