@@ -315,3 +315,22 @@ def test_cli_plan_kimi_linear_on_one_gpu():
     out = runner.invoke(main, args + ["--gpu", "h100", "--experts", "mxfp4"])
     assert "routed experts (MXFP4): 25,027,411,968 B" in out.output and "fits: yes" in out.output
     assert "8,064 B / token" in out.output and "41,943,040 B / request" in out.output
+
+
+def test_kimi_linear_h200_job_is_one_gpu_per_replica_as_planned(tmp_path):
+    """jobs/kimi_linear_h200.toml: single-device replicas on H200s, the planner's figures for
+    its max_seq_len in its header, and it validates against the public config."""
+    job = Path(__file__).parents[2] / "jobs" / "kimi_linear_h200.toml"
+    spec = load_job_spec(job)
+    r, e = spec.replicas, spec.engine
+    assert (r.pp, r.tp, r.dcp, r.disaggregate) == (1, 1, 1, False)
+    assert r.accelerator_type == "H200" and r.device == "cuda"
+    plan = make_plan(KIMI_LINEAR, gpu="h200", pp_size=1, tp_size=1, dcp_size=1,
+                     context_len=e.max_seq_len, memory_fraction=e.memory_fraction)  # fmt: skip
+    assert plan.fits and plan.is_single_device
+    header = job.read_text()
+    for figure in (plan.decode_weight_bytes, plan.pool_bytes):
+        assert f"{figure / 1e9:.1f} GB" in header
+    assert f"{plan.max_requests} requests of {e.max_seq_len:,}" in header
+    (tmp_path / "config.json").write_text(json.dumps(KIMI_LINEAR.to_hf()))
+    dataclasses.replace(spec, model=str(tmp_path)).validate()
