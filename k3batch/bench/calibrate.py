@@ -43,7 +43,7 @@ from k3batch.bench.layer_parts import (
     part_case,
     probe_model,
 )
-from k3batch.bench.roofline import BF16_TFLOPS, COPY_TBPS, gpu_rates
+from k3batch.bench.roofline import BF16_TFLOPS, COPY_TBPS, gpu_name, gpu_rates
 from k3batch.model import get_flavor
 from k3batch.model.moe import EXPERT_DTYPES
 from k3batch.parallel.layout import ParallelLayout
@@ -251,10 +251,6 @@ def _header(run: _Run, command: str, commit) -> dict:
         "attn_res_bank": mean_bank(run.config) if run.config.has_attn_res else None,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }  # fmt: skip
-
-
-def gpu_name(device: str) -> str:
-    return torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"
 
 
 def default_out(device: str, flavor: str = "k3") -> str:

@@ -24,7 +24,7 @@ import torch
 
 from k3batch.engine.config import EngineConfig
 from k3batch.model.forward_batch import ForwardBatch
-from k3batch.bench.roofline import active_params, gpu_rates
+from k3batch.bench.roofline import active_params, gpu_name, gpu_rates
 
 
 def teaching_fill(num_chunks: int, num_stages: int) -> float:
@@ -235,7 +235,7 @@ def engine_throughput(flavor: str, *, device: str, batch: int, prompt_len: int, 
     prefill()
     t_decode, _ = decode()
     step_ms = 1000 * t_decode / max(new_tokens - 1, 1)  # the first token came with the prefill
-    gpu = torch.cuda.get_device_name() if cuda else "cpu"
+    gpu = gpu_name(device)
     tflops, tbps = gpu_rates(gpu)
     floor = _decode_floor(engine, model, prefill, decode, batch * [prompt_len + new_tokens // 2],
                           tflops=tflops, tbps=tbps)  # fmt: skip

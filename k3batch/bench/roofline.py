@@ -55,9 +55,15 @@ def gpu_rates(name: str) -> tuple[float, float]:
     return gpu.bf16_flops / 1e12, gpu.hbm_bytes_per_s / 1e12
 
 
-def device_rates() -> tuple[float, float]:
-    """`gpu_rates` of the current CUDA device (the H200's where there is none)."""
-    return gpu_rates(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+def gpu_name(device="cuda") -> str:
+    """The GPU's name ("NVIDIA H200"), or "cpu" for the CPU or where there is no GPU."""
+    cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
+    return torch.cuda.get_device_name(device) if cuda else "cpu"
+
+
+def device_rates(device="cuda") -> tuple[float, float]:
+    """`gpu_rates` of the device (the H200's on the CPU)."""
+    return gpu_rates(gpu_name(device))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
