@@ -27,6 +27,8 @@ Shape legend: T packed tokens, N sequences, H heads, K key dim, V value dim, NT 
 whole batch (sum over sequences of cdiv(len, BT)), NB blocks of the arena.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -36,6 +38,10 @@ from k3kernels.kda.varlen import CHUNK_SIZE, as_varlen
 # Launch settings: the best of 36 on one H200 at k3-slice shapes (96 heads of 128, bf16; 1 x 8,192
 # and 4 x 2,048 tokens): 0.447 and 0.400 ms, as fast as fla's autotuned version of this loop
 # (0.452, 0.400); 32-wide V blocks took 0.50-0.63 ms (benchmarks/kernels_h200.txt).
+# Each program walks its sequence's chunks one after another, so the grid is the parallelism:
+# where 64-wide blocks leave most SMs idle (Kimi Linear's 32 heads on one 8K prompt: 64
+# programs on 132 SMs) narrower blocks are taken (`pick_block_v`), each re-reading the chunk's
+# w and kg tiles in exchange.
 BLOCK_V = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
@@ -121,8 +127,26 @@ def chunk_offsets(cu_seqlens: list[int], chunk_size: int) -> list[int]:
     return out
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pick_block_v(num_seqs: int, num_heads: int, v_dim: int, device: torch.device) -> int:
+    """BLOCK_V, or the widest narrower block (down to 16) whose grid reaches half the GPU's
+    SMs: 64 for k3-slice's 96 heads on one prompt (192 programs), 32 for Kimi Linear's 32
+    heads (128 programs on an H100's 132 SMs instead of 64). The interpreter takes BLOCK_V."""
+    if device.type != "cuda":
+        return BLOCK_V
+    want = _num_sms(device) // 2
+    block_v = BLOCK_V
+    while block_v > 16 and triton.cdiv(v_dim, block_v) * num_seqs * num_heads < want:
+        block_v //= 2
+    return block_v
+
+
 def chunk_state_prefill_(kg, w, u, gk, *, state_pool, slots, warm, cu_seqlens,
-                         chunk_size: int = 64, block_v: int = BLOCK_V,
+                         chunk_size: int = 64, block_v: int | None = None,
                          num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES):  # fmt: skip
     """The chunk recurrence for a packed batch, states in place on the cache.
 
@@ -130,7 +154,7 @@ def chunk_state_prefill_(kg, w, u, gk, *, state_pool, slots, warm, cu_seqlens,
     gates (fp32); state_pool: [NB, H, K, V] fp32 (a view into the arena, each block's state
     contiguous); slots: [N] distinct int device indices; warm: [N] device ints or bools (0:
     start from zeros); cu_seqlens: N+1 offsets, a host list or a `Varlen` (its device tables
-    reused).
+    reused); block_v: V columns per program (default `pick_block_v`).
     Returns (h [NT, H, K, V] in kg's dtype, the state entering each chunk; v_new [T, H, V] in
     u's dtype). The final states are written to state_pool[slots].
     """
@@ -155,6 +179,7 @@ def chunk_state_prefill_(kg, w, u, gk, *, state_pool, slots, warm, cu_seqlens,
         table = torch.tensor([list(cu_seqlens), offsets], dtype=torch.long)
         table = table.to(kg.device, non_blocking=True)
     # tl.dot needs every tile dim >= 16; masks cover the padding.
+    block_v = block_v or pick_block_v(N, H, V, kg.device)
     block_v = max(16, min(block_v, triton.next_power_of_2(V)))
     upcast = INTERPRETED and (kg.dtype, w.dtype) != (torch.float32, torch.float32)
     chunk_state_prefill_kernel[(triton.cdiv(V, block_v), N * H)](
