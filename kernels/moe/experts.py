@@ -6,7 +6,8 @@ Steps: `sort_slots` orders the T k token slots by expert (with Triton, the count
 `route.py`); the slots' input rows are gathered
 ([M, D], M = T k); one grouped GEMM with the fused gate-up weights w13 [E, 2 I, D] gives
 [M, 2 I]; `moe_act` gives [M, I]; a grouped GEMM with w2 [E, D, I] gives [M, D]; `moe_combine`
-sums each token's k rows times its router weights in fp32. For the Gluon W4A16 decode kernel
+sums each token's k rows times its router weights in fp32 (and may cast the sum and add the
+shared expert's output in the same pass). For the Gluon W4A16 decode kernel
 the gather and `moe_act` write their rows in its column order (`k3kernels.moe.interleave`),
 and where it splits K (one or two tokens) `moe_act` and `moe_combine` sum its fp32 parts. At
 decode sizes the Triton and Gluon kernels are chained by programmatic dependent launch
@@ -30,10 +31,12 @@ from k3kernels.moe.reference import combine_reference, gated_act_reference
 
 def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: float = 4.0,
                   linear_beta: float = 25.0, first_expert: int = 0,
-                  use_triton: bool | None = None,
-                  gemm_impl: str = "auto") -> torch.Tensor:  # fmt: skip
+                  use_triton: bool | None = None, gemm_impl: str = "auto",
+                  out_dtype=torch.float32, add_TD=None) -> torch.Tensor:  # fmt: skip
     """sum_j weights[t, j] * w2[e] act(w13[e] x[t]) over the slots j whose expert
-    e = ids[t, j] - first_expert is held here (0 <= e < E); fp32 [T, D].
+    e = ids[t, j] - first_expert is held here (0 <= e < E); [T, D] in out_dtype (default
+    fp32: the sum as accumulated), plus add_TD ([T, D] of out_dtype: Kimi Linear's shared
+    expert) when given, rounded as `sum.to(out_dtype) + add_TD` (one pass, in the combine).
 
     x [T, D] and the weights share a dtype, or the weights are `MXFP4Weight`s (packed experts);
     ids [T, k] global expert ids; weights [T, k].
@@ -60,7 +63,7 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
     gemm, interleave = pick_gemm(w13_EFD, w2_EDI, ids_Tk.numel(), x_TD, gemm_impl)
     T = x_TD.shape[0]
     if T == 0:
-        return torch.zeros(0, w2_EDI.shape[1], dtype=torch.float32, device=x_TD.device)
+        return torch.zeros(0, w2_EDI.shape[1], dtype=out_dtype, device=x_TD.device)
     sort = sort_slots
     if use_triton:  # one launch (decode) or two, not a dozen
         from k3kernels.moe import route
@@ -80,10 +83,12 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
 
         h_MI = moe_act(h_MF, act, beta, linear_beta, interleave=interleave, out_dtype=x_TD.dtype)
         y_MD = gemm(h_MI, w2_EDI, order.offs_E)
-        return moe_combine(y_MD, order.slot_pos_Tk, weights_Tk, order.valid_Tk)
+        return moe_combine(y_MD, order.slot_pos_Tk, weights_Tk, order.valid_Tk,
+                           out_dtype=out_dtype, add_TD=add_TD)  # fmt: skip
     h_MI = gated_act_reference(h_MF, act, beta, linear_beta).to(h_MF.dtype)
     y_MD = gemm(h_MI, w2_EDI, order.offs_E)
-    return combine_reference(y_MD, order.slot_pos_Tk, weights_Tk, order.valid_Tk)
+    return combine_reference(y_MD, order.slot_pos_Tk, weights_Tk, order.valid_Tk,
+                             out_dtype=out_dtype, add_TD=add_TD)  # fmt: skip
 
 
 GEMM_IMPLS = ("auto", "torch", "triton")  # gemm_impl of `fused_experts`

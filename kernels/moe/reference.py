@@ -41,11 +41,14 @@ def gated_act_pair_reference(gate, up, act: str, beta: float = 4.0, linear_beta:
     raise ValueError(f"unknown gated activation {act!r}; known: situ, silu")
 
 
-def combine_reference(y_MD, slot_pos_Tk, weights_Tk, valid_Tk):
-    """out[t] = sum over valid j of weights[t, j] * y[slot_pos[t, j]], fp32 [T, D]."""
+def combine_reference(y_MD, slot_pos_Tk, weights_Tk, valid_Tk, *, out_dtype=torch.float32,
+                      add_TD=None):  # fmt: skip
+    """out[t] = sum over valid j of weights[t, j] * y[slot_pos[t, j]], fp32 [T, D], then cast
+    to out_dtype and add_TD added (in out_dtype) when given."""
     rows = y_MD.float()[slot_pos_Tk]  # [T, k, D]
     w = torch.where(valid_Tk, weights_Tk.float(), 0.0)
-    return (torch.where(valid_Tk[..., None], rows, 0.0) * w[..., None]).sum(1)
+    out = (torch.where(valid_Tk[..., None], rows, 0.0) * w[..., None]).sum(1).to(out_dtype)
+    return out if add_TD is None else out + add_TD
 
 
 def experts_reference(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: float = 4.0,
