@@ -30,7 +30,7 @@ if [[ $parts == *diag* ]]; then
   done 2>&1 | tee "$OUT/prefill_host_gpu.txt"
 fi
 if [[ $parts == *tune* ]]; then
-  for row in "mxfp4 8192" "mxfp4 256" "mxfp4 16" "bf16 8192" "bf16 256"; do
+  for row in "bf16 8192" "bf16 256" "bf16 16" "mxfp4 8192" "mxfp4 256" "mxfp4 16"; do
     read -r dtype tokens <<<"$row"
     [ "$(left)" -lt 90 ] && { echo "skipped (time): tune $row"; continue; }
     echo "=== tune $row ($(left) s left)"
