@@ -2,6 +2,8 @@
 the cached latent for decode.
 
 Cached per token: [c_kv normalized (kv_lora) | k^R (rope dims, not normalized, shared by heads)].
+The projections of the layer input run as ONE GEMM (`FusedRows`): q_proj (Kimi Linear) or
+q_a_proj (K3's q LoRA), kv_a_proj_with_mqa and, with the output gate (K3), g_proj.
 Shape legend: T packed tokens, D hidden, H heads, L latent (kv_lora), R rope dims, Dn nope dims,
 Dv value dims, S cached tokens, C = L + R, P pages.
 Attention runs through `k3kernels.mla` (Triton) on CUDA and its fp32 torch reference
@@ -12,7 +14,7 @@ elsewhere (`backend`: "auto", "triton" or "torch"). The cache pages come bound t
 import torch
 from torch import nn
 
-from k3batch.model.layers import RMSNorm, linear
+from k3batch.model.layers import FusedRows, RMSNorm, linear
 from k3kernels.mla import reference as mla_ref
 
 
@@ -43,30 +45,33 @@ class KimiMLAAttention(nn.Module):
         self.o_proj = linear(H * self.v_dim, D, dtype, device)
         if config.mla_use_output_gate:
             self.g_proj = linear(D, H * self.v_dim, dtype, device)
+        # in_proj's output columns: q (or q_a) | c_kv | k^R | output gate (K3)
+        names = ["q_proj" if config.q_lora_rank is None else "q_a_proj", "kv_a_proj_with_mqa"]
+        self.in_sizes = [config.q_lora_rank or q_out, self.kv_lora, self.rope]
+        if config.mla_use_output_gate:
+            names.append("g_proj")
+            self.in_sizes.append(H * self.v_dim)
+        self.in_proj = FusedRows(self, tuple(names))
 
-    def _query(self, x_TD):
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x_TD)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))
-        return q.view(x_TD.shape[0], self.num_heads, self.nope + self.rope)
-
-    def _latent(self, x_TD):
-        """[T, L + R]: the per-token cache entry."""
-        c, k_rope = self.kv_a_proj_with_mqa(x_TD).split([self.kv_lora, self.rope], dim=-1)
-        return torch.cat([self.kv_a_layernorm(c), k_rope], dim=-1)
+    def project(self, x_TD):
+        """The projections of the layer input, from one GEMM: (q [T, H, Dn + R], the per-token
+        cache entry latent [T, L + R], output gate logits [T, H * Dv] (a strided view) or None)."""
+        q, c, k_rope, *gate = self.in_proj.linear(x_TD).split(self.in_sizes, dim=-1)
+        if hasattr(self, "q_a_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        latent = torch.cat([self.kv_a_layernorm(c), k_rope], dim=-1)
+        return q.view(x_TD.shape[0], self.num_heads, -1), latent, gate[0] if gate else None
 
     def forward(self, x_TD, batch, cache=None):
         """cache is unused here: the MLA pages come bound to the batch (batch.mla_pages)."""
-        q_THQ = self._query(x_TD)
-        latent_TC = self._latent(x_TD)
+        q_THQ, latent_TC, gate = self.project(x_TD)
         if batch.is_decode:
             ctx_THV = self._decode(q_THQ, latent_TC, batch)
         else:
             ctx_THV = self._prefill(q_THQ, latent_TC, batch)
         ctx = ctx_THV.reshape(x_TD.shape[0], -1)
-        if hasattr(self, "g_proj"):
-            ctx = ctx * torch.sigmoid(self.g_proj(x_TD))  # the gate reads the layer input
+        if gate is not None:
+            ctx = ctx * torch.sigmoid(gate)  # the gate reads the layer input
         return self.o_proj(ctx)
 
     def uses_kernels(self, t) -> bool:

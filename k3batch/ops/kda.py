@@ -1,5 +1,7 @@
 """KDA ops with two backends: "torch" (fp32 reference, any device) and "fla" (fla-core Triton
 kernels, CUDA). The model picks the backend once at construction; these functions only route.
+The model runs each short conv over q, k and v at once (C = 3 H K channels, the three conv
+weights and conv states concatenated), its input a strided column block of its fused projection.
 
 Shapes as in `k3kernels.kda.reference`: packed T tokens, N sequences, H heads, K = V head dim.
 """
@@ -61,11 +63,13 @@ def kda_prefill_(
     return impl.kda_prefill_(q, k, v, f, b, A_log, dt_bias, **kw)
 
 
-def short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens, *, backend: str):
-    """`short_conv` in place on the cache: x [T, C]; pool_BCW [NB, C, W-1] read (where warm)
-    and overwritten at slots. Returns y [T, C]."""
+def short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens, *, num_parts: int = 1,
+                        backend: str):  # fmt: skip
+    """`short_conv` in place on the cache: x [T, C] (unit column stride); pool_BCW [NB, C, W-1]
+    read (where warm) and overwritten at slots. Returns y [num_parts, T, C / num_parts]: channel
+    c in part c // (C / num_parts), each part contiguous."""
     impl = _fla() if backend == "fla" else reference
-    return impl.short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens)
+    return impl.short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens, num_parts)
 
 
 def gated_rms_norm(o, z, weight, eps: float, *, backend: str):
@@ -84,6 +88,7 @@ def kda_decode_(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, state_pool
 
 
 def short_conv_decode_(x, weight_CW, pool_BCW, slots, *, backend: str):
-    """x: [N, C], one token per sequence; pool_BCW: [NB, C, W-1] updated in place at slots."""
+    """x: [N, C], one token per sequence (unit column stride); pool_BCW: [NB, C, W-1] updated
+    in place at slots. Returns y [N, C] (contiguous)."""
     impl = _fla() if backend == "fla" else reference
     return impl.short_conv_decode_(x, weight_CW, pool_BCW, slots)

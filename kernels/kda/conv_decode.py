@@ -56,12 +56,13 @@ def short_conv_decode_kernel(
 
 
 def short_conv_decode_(x_NC, weight_CW, pool_BCW, slots_N, block_c: int | None = None):
-    """x_NC: [N, C] one token per sequence; weight_CW: [C, W] (any float dtype, read as is);
+    """x_NC: [N, C] one token per sequence, any row stride (the model's q|k|v columns of its
+    fused projection: C = 3 H K); weight_CW: [C, W] (any float dtype, read as is);
     pool_BCW: [NB, C, W-1] (a view into the arena, last dim contiguous), updated in place at
     rows `slots_N` (distinct int indices, on the device). Returns y [N, C] in x's dtype.
     block_c: channels per program (default: 512, or 256 for fewer than 64 sequences, so that a
-    small batch still spreads over the GPU: the fastest of 128-2,048 on an H200 at K3's 12,288
-    channels and 1, 16, 64 and 256 sequences)."""
+    small batch still spreads over the GPU: the fastest of 128-2,048 on an H200 at 12,288
+    channels (K3's q, k or v alone, as it was launched then) and 1, 16, 64 and 256 sequences)."""
     N, C = x_NC.shape
     W = weight_CW.shape[1]
     assert pool_BCW.shape[1:] == (C, W - 1) and pool_BCW.stride(2) == 1

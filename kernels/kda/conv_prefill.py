@@ -5,7 +5,10 @@ the sequence's first new token come from its conv state, the previous W-1 inputs
 KDA block (`pool[slots[n]]`; zeros when `warm[n] == 0`, since a fresh sequence's block holds
 stale bytes). The block is then overwritten with the last W-1 inputs of the window
 [old state, new tokens], so a sequence shorter than W-1 tokens keeps part of its old state,
-shifted. No gather, no new state tensor, no host read. The oracle is
+shifted. No gather, no new state tensor, no host read. The output is laid out in parts
+[P, T, C / P], channel c in part c // (C / P): the model convolves q, k and v as one
+3C-channel input (the q|k|v columns of its fused projection, a strided view) and gets three
+contiguous [T, C] tensors, as the chunked KDA kernels take them. The oracle is
 `reference.short_conv_prefill_`.
 
 Two launches, in stream order. `short_conv_prefill_kernel`: program (channel block, token
@@ -38,17 +41,19 @@ NUM_WARPS = 4
 @triton.jit
 def short_conv_prefill_kernel(
     x,  # [T, C], unit channel stride
-    y,  # [T, C] out, contiguous
+    y,  # [P, T, CP] out, contiguous: channel c at part c // CP, column c % CP
     pool,  # [NB, C, W-1] view (stride_pb, stride_pc, stride_pw)
     slots,  # [N] int
     warm,  # [N] int or bool: nonzero where the block holds the state to continue from
     weight,  # [C, W] fp32, contiguous
     cu_seqlens,  # [N + 1] int64
     stride_x,
+    stride_yp,
     stride_pb,
     stride_pc,
     stride_pw,
     C,
+    CP,
     W: tl.constexpr,
     BT: tl.constexpr,
     BC: tl.constexpr,
@@ -85,7 +90,8 @@ def short_conv_prefill_kernel(
                 b_w = tl.load(weight + o_c * W + j, mask=m_c, other=0.0)
                 acc += tl.where(in_x[:, None], b_x, b_s).to(tl.float32) * b_w[None, :]
         b_y = tl.fdiv(acc, 1.0 + tl.exp(-acc))  # SiLU; the approximate quotient (2 ulp)
-        p_y = y + (bos + o_t)[:, None] * C + o_c[None, :]
+        part = (o_c // CP).to(tl.int64)  # per channel, not per element
+        p_y = y + (part * stride_yp + o_c - part * CP)[None, :] + (bos + o_t)[:, None] * CP
         tl.store(p_y, b_y.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
 
 
@@ -118,23 +124,26 @@ def conv_state_update_kernel(
     tl.store(p_new, b_new.to(pool.dtype.element_ty), mask=m_c[:, None] & m_w[None, :])
 
 
-def short_conv_prefill_(x_TC, weight_CW, pool_BCW, slots_N, warm_N, cu_seqlens,
-                        block_t: int = BLOCK_T, block_c: int = BLOCK_C,
+def short_conv_prefill_(x_TC, weight_CW, pool_BCW, slots_N, warm_N, cu_seqlens, *,
+                        num_parts: int = 1, block_t: int = BLOCK_T, block_c: int = BLOCK_C,
                         num_warps: int = NUM_WARPS):  # fmt: skip
     """Causal depthwise conv + SiLU over a packed batch, continuing each sequence from its conv
     state in place.
 
-    x_TC: [T, C]; weight_CW: [C, W] (column W-1 multiplies the current token); pool_BCW:
-    [NB, C, W-1] (a view into the arena, any strides), read and overwritten at rows `slots_N`
-    (distinct int device indices); warm_N: [N] device ints or bools (0: start from zeros);
-    cu_seqlens: N+1 offsets, a host list or a `Varlen` (its device copy reused). Returns y
-    [T, C] in x's dtype.
+    x_TC: [T, C], any row stride; weight_CW: [C, W] (column W-1 multiplies the current token);
+    pool_BCW: [NB, C, W-1] (a view into the arena, any strides), read and overwritten at rows
+    `slots_N` (distinct int device indices); warm_N: [N] device ints or bools (0: start from
+    zeros); cu_seqlens: N+1 offsets, a host list or a `Varlen` (its device copy reused).
+    Returns y [num_parts, T, C / num_parts] in x's dtype (channel c in part c // (C /
+    num_parts)).
     """
     T, C = x_TC.shape
     W = weight_CW.shape[1]
     assert pool_BCW.shape[1:] == (C, W - 1)
+    if C % num_parts:
+        raise ValueError(f"{C} channels do not split into {num_parts} parts")
     x = x_TC if x_TC.stride(1) == 1 else x_TC.contiguous()
-    y = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    y = torch.empty(num_parts, T, C // num_parts, dtype=x.dtype, device=x.device)
     N = len(cu_seqlens) - 1
     if N == 0:
         return y
@@ -143,8 +152,8 @@ def short_conv_prefill_(x_TC, weight_CW, pool_BCW, slots_N, warm_N, cu_seqlens,
     weight = weight_CW.float().contiguous()
     common = (slots_N, warm_N)
     short_conv_prefill_kernel[(triton.cdiv(C, block_c), triton.cdiv(max_len, block_t), N)](
-        x, y, pool_BCW, *common, weight, cu, x.stride(0), *pool_BCW.stride(), C, W=W,
-        BT=block_t, BC=block_c, num_warps=num_warps,
+        x, y, pool_BCW, *common, weight, cu, x.stride(0), y.stride(0), *pool_BCW.stride(), C,
+        C // num_parts, W=W, BT=block_t, BC=block_c, num_warps=num_warps,
     )  # fmt: skip
     conv_state_update_kernel[(triton.cdiv(C, block_c), N)](
         x, pool_BCW, *common, cu, x.stride(0), *pool_BCW.stride(), C, W=W,

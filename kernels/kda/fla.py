@@ -141,12 +141,14 @@ def short_conv_decode_(x_NC, weight_CW, pool_BCW, slots):
     return short_conv_decode_(x_NC, weight_CW, pool_BCW, slots)
 
 
-def short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens):
+def short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens, num_parts: int = 1):
     """`short_conv` in place on the cache: `k3kernels.kda.conv_prefill` (fla's causal_conv1d
-    reads and writes states only through [N, C, W] tensors)."""
+    reads and writes states only through [N, C, W] tensors). Returns y [num_parts, T, C /
+    num_parts]."""
     from k3kernels.kda.conv_prefill import short_conv_prefill_
 
-    return short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens)
+    return short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens,
+                               num_parts=num_parts)  # fmt: skip
 
 
 @torch.no_grad()

@@ -109,11 +109,11 @@ def launch_config(num_seqs: int, num_heads: int, k_dim: int = 128, v_dim: int = 
 
 def kda_decode_(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, state_pool, slots,
                 **config):  # fmt: skip
-    """Same contract as `reference.kda_decode_`: q, k, f [N, H, K]; v [N, H, V]; b [N, H];
-    A_log [H]; dt_bias [H * K]; state_pool [NB, H, K, V] fp32 (a view into the arena, each
-    block's state contiguous); slots [N] distinct int device indices (padding rows point at a
-    scratch block). config: block_v, num_warps (default `launch_config`). Returns o [N, H, V]
-    in v's dtype; the states are updated in place."""
+    """Same contract as `reference.kda_decode_`: q, k, f [N, H, K]; v [N, H, V]; b [N, H] (any
+    float dtype, any row stride); A_log [H]; dt_bias [H * K]; state_pool [NB, H, K, V] fp32 (a
+    view into the arena, each block's state contiguous); slots [N] distinct int device indices
+    (padding rows point at a scratch block). config: block_v, num_warps (default
+    `launch_config`). Returns o [N, H, V] in v's dtype; the states are updated in place."""
     N, H, K = q.shape
     V = v.shape[-1]
     if state_pool.shape[1:] != (H, K, V) or state_pool.dtype != torch.float32:
@@ -121,9 +121,11 @@ def kda_decode_(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, state_pool
                          f"[{H}, {K}, {V}] fp32 states")  # fmt: skip
     if not state_pool[0].is_contiguous():
         raise ValueError("each block's KDA state must be contiguous")
+    # Rows may be strided (the model's q, k, v are column blocks of one conv output, b a
+    # column block of its fused projection, read as it comes, bf16 included): no copies.
     q, k, v, f = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
                   for t in (q, k, v, f))  # fmt: skip
-    b = b.contiguous()
+    b = b if b.stride(-1) == 1 else b.contiguous()
     o = torch.empty(N, H, V, device=v.device, dtype=v.dtype)
     if N == 0:
         return o

@@ -207,12 +207,14 @@ def kda_prefill_(
     return o
 
 
-def short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens):
+def short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens, num_parts: int = 1):
     """`short_conv` on a packed batch, in place on `pool_BCW[slots[n]]` ([NB, C, W-1], oldest
-    input first; zeros stand in where warm[n] == 0). Returns y [T, C] in x's dtype."""
+    input first; zeros stand in where warm[n] == 0). Returns y [num_parts, T, C / num_parts] in
+    x's dtype, channel c in part c // (C / num_parts), each part contiguous (q, k and v of one
+    conv over their concatenated channels)."""
     y, state = short_conv(x, weight_CW, _initial_states(pool_BCW, slots, warm), cu_seqlens)
     pool_BCW[slots] = state.to(pool_BCW.dtype)
-    return y
+    return y.unflatten(1, (num_parts, -1)).transpose(0, 1).contiguous()
 
 
 def chunk_state(kg, w, u, gk, initial_state, cu_seqlens, chunk_size: int = 64):

@@ -72,6 +72,41 @@ def test_conv_decode_kernel_matches_reference(N, C, block_c, w_dtype):
     assert torch.equal(conv[touched][:, rest].cpu(), before_conv[touched][:, rest].cpu())
 
 
+@pytest.mark.parametrize(
+    "block_c,dt", [(16, "fp32"), (128, "bf16")], ids=["BC16-tail-block-fp32", "BC128-bf16"]
+)
+def test_conv_decode_kernel_qkv_in_one_launch(block_c, dt):
+    """The model's decode conv: q, k and v as one 3C-channel launch over the whole conv cache of
+    a block ([3, C, W-1] flattened), its input a strided column block of the fused projection,
+    equals three separate reference convs (each on its part of the cache)."""
+    from k3kernels.kda.conv_decode import short_conv_decode_
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dt]
+    g = torch.Generator().manual_seed(7)
+    N, C, W, NB = 3, 24, 4, 6
+    _, _, conv_buf, conv = _pools(NB, 1, 1, C, W, dtype, g)
+    slots = torch.tensor([4, 0, 2])
+    _fill(conv, slots.tolist(), g)
+    before = conv_buf.clone()
+    proj = torch.randn(N, 3 * C + 5, generator=g).to(dtype)  # q | k | v | other projections
+    w = torch.randn(3, C, W, generator=g) * 0.5
+    ref_pools = conv.cpu().clone()
+    parts = [proj[:, j * C : (j + 1) * C] for j in range(3)]
+    y_ref = torch.cat([R.short_conv_decode_(parts[j], w[j], ref_pools[:, j], slots)
+                       for j in range(3)], dim=1)  # fmt: skip
+    x = proj.to(DEV)[:, : 3 * C]
+    y = short_conv_decode_(x, w.flatten(0, 1).to(DEV), conv.flatten(1, 2), slots.to(DEV), block_c)
+    rel_rms = TOLERANCES[("conv_y", dtype)][0]
+    if DEV == "cpu" and dtype == torch.bfloat16:  # interpreted (tests/conftest.py)
+        rel_rms = INTERPRETED_BF16_ROUNDING
+    assert_close("conv_y", y_ref, y.cpu(), rel_rms=rel_rms)
+    assert torch.equal(conv[slots].cpu(), ref_pools[slots]), "conv states must be exact shifts"
+    others = [i for i in range(NB) if i not in slots.tolist()]
+    assert torch.equal(conv_buf[others].cpu(), before[others].cpu()), "other blocks written"
+    layer = conv[0].numel()  # the other layer's bytes of the touched blocks
+    assert torch.equal(conv_buf[:, layer:].cpu(), before[:, layer:].cpu())
+
+
 def test_reference_decode_in_place_matches_out_of_place():
     g = torch.Generator().manual_seed(0)
     N, H, K, NB = 3, 2, 8, 7
@@ -190,11 +225,12 @@ def _chunk_terms(lens, H, K, V, BT, g):
     return _wy_terms(R.l2norm(k), v, gate, torch.sigmoid(b), _cu(lens), BT)
 
 
-def _prefill_pools(NB, H, K, V, C, W, conv_dtype, warm, g, device):
+def _prefill_pools(NB, H, K, V, C, W, conv_dtype, warm, g, device, qkv=False):
     """Poisoned state and conv buffers with views as `_pools`, K != V allowed; random distinct
     blocks for the sequences, holding a random state if warm, NaN if cold (stale bytes).
     Returns (state_buf, state_view_fn, conv_buf, conv_view_fn, slots, warm) where *_view_fn
-    maps a buffer (or its clone) to the pool view the kernels take."""
+    maps a buffer (or its clone) to the pool view the kernels take: the k conv's [NB, C, W-1],
+    or with qkv the layer's three convs as one [NB, 3C, W-1] (as the model convolves them)."""
     hkv, cw = H * K * V, 3 * C * (W - 1)
     state_buf = torch.full((NB, 2 * hkv), POISON, device=device)
     conv_buf = torch.full((NB, 2 * cw), POISON, dtype=conv_dtype, device=device)
@@ -202,13 +238,15 @@ def _prefill_pools(NB, H, K, V, C, W, conv_dtype, warm, g, device):
     def state_of(buf):
         return buf[:, hkv:].view(NB, H, K, V)
 
-    def conv_of(buf):  # the k conv of the layer: a strided view
-        return buf[:, :cw].view(NB, 3, C, W - 1)[:, 1]
+    def conv_of(buf):  # a strided view
+        convs = buf[:, :cw].view(NB, 3, C, W - 1)
+        return convs.flatten(1, 2) if qkv else convs[:, 1]
 
     slots = torch.randperm(NB, generator=g)[: len(warm)]
     for s, is_warm in zip(slots.tolist(), warm):
         state_of(state_buf)[s] = (torch.randn(H, K, V, generator=g) * 0.5) if is_warm else math.nan
-        conv_of(conv_buf)[s] = torch.randn(C, W - 1, generator=g) if is_warm else math.nan
+        shape = conv_of(conv_buf).shape[1:]
+        conv_of(conv_buf)[s] = torch.randn(shape, generator=g) if is_warm else math.nan
     warm_t = torch.tensor(warm, device=device)
     return state_buf, state_of, conv_buf, conv_of, slots.to(device), warm_t
 
@@ -309,6 +347,39 @@ def _conv_case(lens, warm, C, dtype, block_t, block_c, device):
     assert _same_outside(buf, before, conv_of, slots), "bytes outside the batch's states written"
 
 
+@pytest.mark.parametrize("block_c", [8, 16], ids=["BC8-blocks-in-parts", "BC16-blocks-straddle"])
+def test_conv_prefill_kernel_qkv_in_one_launch(block_c):
+    """The model's prefill conv: q, k and v as one 3C-channel launch over the layer's whole conv
+    cache ([NB, 3, C, W-1] flattened), its input a strided column block of the fused projection,
+    its output three contiguous [T, C] parts; equal to three separate reference convs, each on
+    its own part of the cache. C = 24: 16-channel blocks straddle the parts."""
+    from k3kernels.kda.conv_prefill import short_conv_prefill_
+
+    g = torch.Generator().manual_seed(11)
+    lens, warm, C, W = [1, 2, 9, 20], [1, 0, 1, 0], 24, 4
+    _, _, buf, conv_of, slots, warm = _prefill_pools(len(lens) + 2, 1, 1, 1, C, W, torch.float32,
+                                                     warm, g, DEV, qkv=True)  # fmt: skip
+    proj = torch.randn(sum(lens), 3 * C + 5, generator=g)  # q | k | v | other projections
+    w = torch.randn(3 * C, W, generator=g) * 0.5
+    ref_buf, before, cu = buf.to("cpu", copy=True), buf.clone(), _cu(lens)
+    ref_parts = ref_buf[:, : 3 * C * (W - 1)].view(-1, 3, C, W - 1)
+    y_ref = [R.short_conv_prefill_(proj[:, j * C : (j + 1) * C], w[j * C : (j + 1) * C],
+                                   ref_parts[:, j], slots.cpu(), warm.cpu(), cu)[0]
+             for j in range(3)]  # fmt: skip
+    y = short_conv_prefill_(proj.to(DEV)[:, : 3 * C], w.to(DEV), conv_of(buf), slots, warm, cu,
+                            num_parts=3, block_t=8, block_c=block_c)  # fmt: skip
+    assert y.shape == (3, sum(lens), C) and y.is_contiguous()
+    rel_rms = TOLERANCES[("conv_y", torch.float32)][0]
+    for j in range(3):
+        assert_close("conv_y", y_ref[j], y[j].cpu(), rel_rms=rel_rms)
+    assert torch.equal(conv_of(buf)[slots].cpu(), conv_of(ref_buf)[slots.cpu()])
+    assert _same_outside(buf, before, conv_of, slots), "bytes outside the batch's states written"
+    # The reference's parts are those of one conv over the 3C channels.
+    ref = R.short_conv_prefill_(proj[:, : 3 * C], w, conv_of(before.cpu()), slots.cpu(),
+                                warm.cpu(), cu, num_parts=3)  # fmt: skip
+    assert torch.equal(ref, torch.stack(y_ref))
+
+
 @pytest.mark.parametrize("dt", ["fp32", "bf16"])
 def test_conv_prefill_kernel_in_place_matches_reference(dt):
     """Sequences of 1 and 2 tokens (< W-1: the old state shifts), warm and cold, one over
@@ -346,7 +417,7 @@ def test_reference_prefill_in_place_matches_out_of_place():
     assert torch.equal(o, o_ref) and torch.equal(state_of(state_buf)[slots], S_ref)
     x, w = torch.randn(sum(lens), C, generator=g), torch.randn(C, W, generator=g)
     y_ref, s_ref = R.short_conv(x, w, c0, _cu(lens))
-    y = R.short_conv_prefill_(x, w, conv_of(conv_buf), slots, warm, _cu(lens))
+    (y,) = R.short_conv_prefill_(x, w, conv_of(conv_buf), slots, warm, _cu(lens))
     assert torch.equal(y, y_ref) and torch.equal(conv_of(conv_buf)[slots], s_ref)
 
 

@@ -16,8 +16,7 @@ def test_mla_absorbed_decode_matches_expanded(model_factory):
     attn = model.model.layers["3"].self_attn
     S, D = 9, model.config.hidden_size
     x = torch.randn(S, D)
-    q = attn._query(x)
-    latent = attn._latent(x)
+    q, latent, _ = attn.project(x)
     expanded = attn.attend_expanded(q, latent, 0)  # causal over all S
     mask = torch.zeros(1, S, dtype=torch.bool)
     absorbed = attn.attend_absorbed(q[-1:], latent[None], mask)
@@ -28,7 +27,7 @@ def test_mla_uses_no_position_encoding(model_factory):
     """NoPE: permuting the cached keys/values of earlier tokens leaves the last output unchanged."""
     attn = model_factory("k3-debug").model.layers["3"].self_attn
     x = torch.randn(6, 64)
-    q, latent = attn._query(x), attn._latent(x)
+    q, latent, _ = attn.project(x)
     mask = torch.zeros(1, 6, dtype=torch.bool)
     out = attn.attend_absorbed(q[-1:], latent[None], mask)
     perm = torch.tensor([3, 0, 4, 1, 2, 5])
@@ -133,7 +132,7 @@ def test_routes_can_be_pinned_and_reported(model_factory):
 @pytest.mark.parametrize("act", ["situ", "silu"])
 def test_gated_activation(act):
     g, u = torch.randn(100) * 10, torch.randn(100) * 40
-    out = gated_act(g, u, act)
+    out = gated_act(torch.cat([g, u]), act)  # gate | up, as the fused GEMM writes them
     if act == "silu":
         torch.testing.assert_close(out, torch.nn.functional.silu(g) * u)
     else:
