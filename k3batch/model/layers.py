@@ -21,6 +21,8 @@ def linear(in_size: int, out_size: int, dtype=None, device=None) -> nn.Linear:
 class FusedRows:
     """The `weight`s of sibling modules (`parent.<name>` for each name, in order) held as the
     row blocks of one tensor, so that one GEMM (or one conv launch) computes all their outputs.
+    The members are bias-free maps of their weight alone (`nn.Linear(bias=False)`, or convs
+    whose weight the caller applies), read by the caller through `weight()` or `linear()`.
 
     No second copy: each parameter's `.data` is re-pointed at its row block (a view), so
     parameter names, the state_dict, TP sharding by name and the planner's counts see the same
@@ -66,6 +68,8 @@ class FusedRows:
         return bool(self._members)
 
     def _rebuild(self) -> None:
+        if any(getattr(self.parent._modules[n], "bias", None) is not None for n in self.names):
+            raise ValueError(f"{self.names}: a fused member has a bias, which the GEMM would skip")
         params = [self._param(n) for n in self.names]
         kinds = {(p.dtype, p.device, p.shape[1:]) for p in params}
         if len(kinds) != 1:

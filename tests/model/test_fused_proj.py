@@ -118,11 +118,16 @@ def test_fused_model_reloaded_from_checkpoint(tmp_path):
     assert torch.equal(model(ids), load_model(tmp_path, dtype=torch.float32)(ids))
 
 
-def test_fused_rows_rebuild_refuses_mixed_dtypes():
+@pytest.mark.parametrize(
+    "second,match",
+    [(dict(bias=False, dtype=torch.float64), "cannot share one weight"), (dict(bias=True), "bias")],
+    ids=["mixed-dtypes", "bias"],
+)
+def test_fused_rows_refuse_what_one_gemm_cannot_compute(second, match):
     parent = torch.nn.Module()
     parent.a = torch.nn.Linear(4, 3, bias=False)
-    parent.b = torch.nn.Linear(4, 2, bias=False, dtype=torch.float64)
-    with pytest.raises(ValueError, match="cannot share one weight"):
+    parent.b = torch.nn.Linear(4, 2, **second)
+    with pytest.raises(ValueError, match=match):
         FusedRows(parent, ("a", "b")).weight()
 
 
@@ -242,7 +247,8 @@ def test_kda_layer_kernels_match_torch_path(flavor, dt, monkeypatch):
         attn.backend = backend
         cache = slot_cache(cfg, [i], num_slots=2, max_seq_len=16, device=dev, dtype=dtype)
         outs, start = [], 0
-        with torch.no_grad():
+        # cudnn off: the torch path's fp32 conv must not run in TF32 on a GPU
+        with torch.no_grad(), torch.backends.cudnn.flags(enabled=False):
             for lens, cached in STEPS:
                 batch = slot_batch(cache, lens, cached, [0, 1])
                 cache.bind(batch)
