@@ -59,9 +59,9 @@ class DecoderLayer(nn.Module):
     def forward(self, stream: Stream, batch: ForwardBatch, cache=None) -> Stream:
         if self.block_size is None:  # Kimi Linear: pre-norm residual in stream.partial
             h = stream.partial
-            h = h + self.self_attn(self.input_layernorm(h), batch, cache)
-            h = h + self.ffn(self.post_attention_layernorm(h), batch)
-            return Stream(partial=h)
+            a = self.self_attn(self.input_layernorm(h), batch, cache)
+            x, h = self.post_attention_layernorm(a, residual=h)  # h + a and its norm, one pass
+            return Stream(partial=h + self.ffn(x, batch))
         bank, p = stream.bank, stream.partial
         h = mix(stream, self.self_attention_res_proj, self.self_attention_res_norm)
         if self.layer_idx % self.block_size == 0:  # the partial sum is a finished block

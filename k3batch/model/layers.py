@@ -90,14 +90,18 @@ class FusedRows:
         self._fused, self._members = fused, tuple(members)
 
 
-def rms_norm(x, weight, eps: float):
+def rms_norm(x, weight, eps: float, residual=None):
     """HF KimiRMSNorm: normalize in fp32, cast back to x's dtype, then scale by the weight.
+    With residual: (norm(s), s) for s = x + residual, the pre-norm residual step.
     CUDA: one Triton kernel (`k3kernels.norm`); elsewhere the torch reference."""
     if x.is_cuda and weight.dtype == x.dtype:
         from k3kernels.norm.rms_norm import rms_norm as fused  # needs triton
 
-        return fused(x, weight, eps)
-    return rms_norm_reference(x, weight, eps)
+        return fused(x, weight, eps, residual=residual)
+    if residual is None:
+        return rms_norm_reference(x, weight, eps)
+    s = x + residual
+    return rms_norm_reference(s, weight, eps), s
 
 
 class RMSNorm(nn.Module):
@@ -106,8 +110,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
 
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x, residual=None):
+        """norm(x), or (norm(x + residual), x + residual) in one pass on CUDA."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def gated_act(h, act: str, beta: float = 4.0, linear_beta: float = 25.0):

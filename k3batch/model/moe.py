@@ -103,13 +103,16 @@ class Experts(nn.Module):
                     MXFP4Weight(self.w2_packed, self.w2_scale, self.small_scales))  # fmt: skip
         return self.w13, self.w2
 
-    def forward(self, x_TD, ids_Tk, weights_Tk):
+    def forward(self, x_TD, ids_Tk, weights_Tk, *, out_dtype=torch.float32, add_TD=None):
         """sum_i w_i E_i(x) per token over the experts held here, accumulated in fp32;
-        returns fp32 [T, Din]. Grouped GEMMs, no host sync (`k3kernels.moe.experts`)."""
+        returns [T, Din] in out_dtype (default fp32), plus add_TD (of out_dtype) when given,
+        rounded as `sum.to(out_dtype) + add_TD`. Grouped GEMMs, no host sync
+        (`k3kernels.moe.experts`)."""
         w13, w2 = self.weights()
         return fused_experts(
             x_TD, w13, w2, ids_Tk, weights_Tk, act=self.act, beta=self.beta,
             linear_beta=self.linear_beta, first_expert=self.first_expert, gemm_impl=self.gemm_impl,
+            out_dtype=out_dtype, add_TD=add_TD,
         )  # fmt: skip
 
 
@@ -147,13 +150,11 @@ class SparseMoE(nn.Module):
         ids, w = self.gate(x_TD, pinned)
         if batch.routes_out is not None:
             batch.routes_out[self.layer_idx] = ids
-        if hasattr(self, "routed_expert_down_proj"):
-            y = self.experts(self.routed_expert_down_proj(x_TD), ids, w).to(x_TD.dtype)
-            if hasattr(self, "routed_expert_norm"):
-                y = self.routed_expert_norm(y)
-            y = self.routed_expert_up_proj(y)
-        else:
-            y = self.experts(x_TD, ids, w).to(x_TD.dtype)
-        if hasattr(self, "shared_experts"):
-            y = y + self.shared_experts(x_TD)
-        return y
+        shared = self.shared_experts(x_TD) if hasattr(self, "shared_experts") else None
+        if not hasattr(self, "routed_expert_down_proj"):  # Kimi Linear: cast and add in the combine
+            return self.experts(x_TD, ids, w, out_dtype=x_TD.dtype, add_TD=shared)
+        y = self.experts(self.routed_expert_down_proj(x_TD), ids, w).to(x_TD.dtype)
+        if hasattr(self, "routed_expert_norm"):
+            y = self.routed_expert_norm(y)
+        y = self.routed_expert_up_proj(y)
+        return y if shared is None else y + shared
