@@ -11,7 +11,8 @@ puts the per-sequence indices the kernels read on the device (`slots`, `position
 bound on the attended lengths (`max_len`), so that a decode step reads no Python list on the
 device side: the CUDA-graph runner (`engine/graphs.py`) binds its static buffers instead.
 A prefill's index tensors (`varlen`: the offsets and fla's chunk table for KDA;
-`token_addresses`: the MLA page rows of every token) are built by the first layer that asks,
+`token_addresses`: the MLA page rows of every token; a decode step's `decode_addresses`) are
+built by the first layer that asks,
 in one non-blocking copy each, and shared by the other layers: none waits for the device.
 """
 
@@ -42,7 +43,8 @@ class ForwardBatch:
     positions: torch.Tensor | None = None  # set by bind: cached_lens on the device
     max_len: int = 0  # set by bind for decode: a host bound on cached_lens + 1 (split sizing)
     # Per-forward index tensors, built by the first layer that asks and shared by the others:
-    # device -> Varlen; (device, page_size) -> MLA token addresses. Not copied by replace().
+    # device -> Varlen; (device, page_size) -> MLA token addresses, ("decode", page_size) -> a
+    # decode step's. Not copied by replace().
     _varlen: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _addresses: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -92,6 +94,18 @@ class ForwardBatch:
             self._addresses[key] = _token_addresses(self, device, page_size)
         return self._addresses[key]
 
+    def decode_addresses(self, page_size: int) -> "DecodeAddresses":
+        """Where a decode step's MLA layers write each sequence's new latent, and the attended
+        lengths: from the bound device tensors (`positions`, `page_rows`), four small kernels
+        once a step instead of in each of the MLA layers (graph-capturable: no host read)."""
+        key = ("decode", page_size)
+        if key not in self._addresses:
+            pos = self.positions  # bound by the cache: pages checked there
+            rows = self.page_rows.gather(1, (pos // page_size)[:, None])[:, 0]
+            lens = (pos + 1).to(torch.int32)
+            self._addresses[key] = DecodeAddresses(rows, pos % page_size, lens)
+        return self._addresses[key]
+
     @property
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.seq_lens) and all(c > 0 for c in self.cached_lens)
@@ -114,6 +128,16 @@ class TokenAddresses:
     rows_S: torch.Tensor | None
     slots_S: torch.Tensor | None
     cu_k: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class DecodeAddresses:
+    """One new token per sequence ([B]): its page row and in-page slot, and the sequence's
+    length with it (int32, as the attention kernel reads it)."""
+
+    rows_B: torch.Tensor
+    slots_B: torch.Tensor
+    seq_lens_B: torch.Tensor
 
 
 def _positions(counts: list[int], starts: list[int]) -> tuple[list[int], list[int]]:

@@ -176,11 +176,10 @@ class KimiMLAAttention(nn.Module):
         pool = _pool(batch, self.layer_idx)
         if pool is None:
             raise ValueError(f"MLA layer {self.layer_idx}: decode needs batch.mla_pages")
-        ps, pos_B = pool.shape[1], batch.positions  # bound by the cache: pages checked there
-        rows_B = batch.page_rows.gather(1, (pos_B // ps)[:, None])[:, 0]
-        pool[rows_B, pos_B % ps] = latent_BC.to(pool.dtype)
+        at = batch.decode_addresses(pool.shape[1])  # the first MLA layer's, shared
+        pool[at.rows_B, at.slots_B] = latent_BC.to(pool.dtype)
         ctx_BHL, _ = self.attend_pages(
-            self.absorb(q_BHQ), pool, batch.page_rows, (pos_B + 1).to(torch.int32), batch.max_len
+            self.absorb(q_BHQ), pool, batch.page_rows, at.seq_lens_B, batch.max_len
         )
         return self.unabsorb(ctx_BHL)
 
