@@ -116,10 +116,14 @@ class Request:
         ids = self.prompt_token_ids
         if not ids:
             return "empty prompt"
-        bad = [t for t in ids if not is_int(t)]
+        # Plain ints (the usual case) are checked at C speed: a request is added between two
+        # engine steps, and the per-token loops took ~0.5 ms per 1,024 tokens.
+        plain = set(map(type, ids)) == {int}
+        bad = [] if plain else [t for t in ids if not is_int(t)]
         if bad:
             return f"token id {bad[0]!r} is not an integer"
-        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if not plain or min(ids) < 0 or max(ids) >= vocab_size:
+            bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             return f"token id {bad[0]} outside the vocabulary [0, {vocab_size})"
         if len(ids) >= max_seq_len:

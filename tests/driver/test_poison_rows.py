@@ -14,6 +14,7 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -44,6 +45,7 @@ BAD_REQUESTS = {
     "ids-null": ([1, None], {}, "None is not an integer"),
     "ids-negative": ([-1, 2], {}, "-1 outside the vocabulary"),
     "ids-huge": ([2**70], {}, "outside the vocabulary"),
+    "ids-vocab-size": ([1, 512], {}, "512 outside the vocabulary"),  # kimi-linear-debug's 512
     "ids-too-long": ([1] * 40, {}, "max_seq_len"),
     "seed-float": ([1, 2], {"seed": 3.0}, "seed = 3.0"),
     "seed-nan": ([1, 2], {"seed": NAN}, "seed = nan"),
@@ -78,7 +80,11 @@ def test_engine_fails_bad_requests_alone(model_factory, monkeypatch):
     model = model_factory("kimi-linear-debug")
     # One request at a time: the good requests' arithmetic is then that of a run alone.
     config = EngineConfig(max_num_seqs=1, max_seq_len=32, chunk_size=16, max_batch_tokens=32)
-    good = {"good-greedy": ([5, 6, 7], GREEDY), "good-sampled": ([8, 9], _sampling(seed=11))}
+    good = {
+        "good-greedy": ([5, 6, 7], GREEDY),
+        "good-sampled": ([8, 9], _sampling(seed=11)),
+        "good-numpy-ids": ([np.int64(5), 6, np.int32(511)], GREEDY),
+    }
     expected = {rid: [r.output_token_ids for r in Engine(model, config).generate([ids], [sp])][0]
                 for rid, (ids, sp) in good.items()}  # fmt: skip
 
