@@ -8,7 +8,10 @@ others, and the driver refills the replica as rows come back (a bounded in-fligh
 replica keeps no state the driver needs: a restarted actor starts empty and the driver resubmits
 the rows it had in flight. The single-device replica wraps `Engine`; the disaggregated replica
 (pipeline prefill, a decode group) keeps the same interface. Rows with bad values come back with
-an error.
+an error. The engine thread only queues each finished request (one wake of the caller per
+burst); `take_results` makes the rows (the text decoded), off the steps' critical path: up to
+max_num_seqs requests finish in one step, and their decoding there kept the device waiting.
+`stats()` carries the engine thread's account (`serve.StepAccount`).
 
 Failures (`actors.failure`): a replica that cannot be built raises from its constructor (Ray
 ends the actor with that error and its traceback; the driver builds a new one or, after
@@ -71,13 +74,13 @@ class ReplicaActor:
         t0 = time.perf_counter()
         self.node_id = ray.get_runtime_context().get_node_id()
         self.failure: ReplicaFailed | None = None  # set once, by whatever fails first
-        self._outbox: collections.deque = collections.deque()  # finished rows, engine -> caller
+        # (key, GenerationResult) finished, engine thread -> caller, which makes their rows
+        self._outbox: collections.deque = collections.deque()
         self._wake = self._wake_loop = None  # take_results' event, set by the engine thread
-        from k3batch.actors.build import build_engine
-
+        self._wake_sent = False  # a wake is scheduled on the caller's loop and has not run yet
         # An error here ends the actor with its traceback (Ray does not restart an actor whose
         # constructor raised): the driver sees the cause and builds a new one, or stops the job.
-        self.engine, self.tokenizer = build_engine(
+        self.engine, self.tokenizer = self._build(
             model_dir,
             engine_config,
             device=device,
@@ -105,6 +108,14 @@ class ReplicaActor:
 
             on_step = ReplicaMetrics(self.engine, **metrics).step
         self.server = EngineServer(self.engine, self._finished, self._engine_failed, on_step)
+
+    @staticmethod
+    def _build(model_dir: str, engine_config: EngineConfig, **kw):
+        """(engine, tokenizer) of this replica (`actors.build.build_engine`; the benchmark's
+        replica on a simulated device builds another)."""
+        from k3batch.actors.build import build_engine
+
+        return build_engine(model_dir, engine_config, **kw)
 
     # ---- failure ----------------------------------------------------------------------------
     def _fail(self, where: str, error: BaseException) -> None:
@@ -165,6 +176,7 @@ class ReplicaActor:
 
     def stats(self) -> dict:
         out = {"load_s": self.load_s, "busy_s": self.server.busy_s, "rows": self.server.rows}
+        out["engine"] = self.server.account.to_dict()
         out["cache"] = self.engine.cache_stats()
         out["sizing"] = self.engine.sizing()
         if hasattr(self.engine.runner, "bubble"):
@@ -192,6 +204,7 @@ class ReplicaActor:
         self._check()
         if self._wake_loop is not asyncio.get_running_loop():
             self._wake, self._wake_loop = asyncio.Event(), asyncio.get_running_loop()
+            self._wake_sent = False  # a wake sent to an earlier loop may never run
         self._wake.clear()  # before looking: a row appended after the look sets it again
         if not self._outbox:
             try:
@@ -200,14 +213,20 @@ class ReplicaActor:
                 pass
         self._check()
         out = []
-        while self._outbox:
-            out.append(self._outbox.popleft())
+        try:  # the rows are made here: decoding text is no work for the engine thread
+            while self._outbox:
+                key, res = self._outbox.popleft()
+                out.append({"key": key} | result_row(res, self.tokenizer))
+        except Exception as e:  # as when the engine thread made them: the replica fails
+            self._fail("results", e)
+            raise self.failure from e
         return self.instance, out
 
     # ---- called on the engine thread (`serve.EngineServer`) -------------------------------
     def _finished(self, key, res: GenerationResult) -> None:
-        self._outbox.append({"key": key} | result_row(res, self.tokenizer))
-        self._wake_caller()
+        self._outbox.append((key, res))
+        if not self._wake_sent:  # one wake per burst: a step finishes up to max_num_seqs rows
+            self._wake_caller()
 
     def _engine_failed(self, error: BaseException) -> None:
         self._fail("engine", error)
@@ -215,7 +234,14 @@ class ReplicaActor:
     def _wake_caller(self) -> None:
         loop, wake = self._wake_loop, self._wake
         if loop is not None:
+            self._wake_sent = True
             try:
-                loop.call_soon_threadsafe(wake.set)
+                loop.call_soon_threadsafe(self._woken, wake)
             except RuntimeError:  # that loop is closed; the next take_results makes a new one
-                pass
+                self._wake_sent = False
+
+    def _woken(self, wake: asyncio.Event) -> None:
+        """On the caller's loop. The flag drops before the event is set: a row appended while
+        the flag still stood is in the outbox before take_results can wake and drain it."""
+        self._wake_sent = False
+        wake.set()

@@ -7,11 +7,109 @@ thread adds them to the engine between steps and steps while anything is unfinis
 after each step (`Engine.last_step_prefill`). If the engine raises, the thread
 calls `on_failure(exception)` once and stops. Used by the job's replica actor (`replica.py`) and by
 the Ray Data replica (`k3batch.data`); what a caller does with results and failures is its own.
+The callbacks run on the engine thread, between two steps, while the device may wait: they
+should only hand the result on (per-row work such as decoding text belongs to the caller).
+
+`StepAccount` says where the engine thread's time went (`EngineServer.account`; `bench job`
+keeps one for the engine alone too): steps and their seconds by kind, the decode batch, steps
+run with room for more requests and none waiting, time between steps with work to do (adding
+requests, callbacks: the host's, while the device idles once its queued step is done), time
+with nothing to run (no rows), and the slowest steps (a compile or an autotune in a step
+shows there).
 """
 
+import heapq
 import queue
 import threading
 import time
+
+
+class StepAccount:
+    """The engine's time, step by step (see the module doc). `step` after each step, `idle`
+    for each wait for work with nothing to run. Unix times (`first_step_at`, `last_step_at`)
+    let a caller on another clock place the steps in its own window."""
+
+    SLOWEST = 5  # steps kept in `slowest`
+
+    def __init__(self, max_num_seqs: int):
+        self.max_num_seqs = max_num_seqs
+        self.steps = {"prefill": 0, "decode": 0}
+        self.busy_s = {"prefill": 0.0, "decode": 0.0}
+        self.decode_rows = 0  # requests in the engine, summed over decode steps
+        self.room_steps = 0  # steps with fewer than max_num_seqs requests and none waiting
+        self.between_s = 0.0  # between two steps with requests unfinished: the host's time
+        self.idle_s = 0.0  # after the first step: nothing to run, waiting for requests
+        self.first_step_at: float | None = None  # Unix time the first step started
+        self.last_step_at: float | None = None  # Unix time the last step ended
+        self._slowest: list = []  # min-heap of (seconds, since the first step, kind, requests)
+        self._start = self._end = None  # perf_counter: the first step's start, the last's end
+        self._idle = 0.0  # idle time since the last step
+
+    def idle(self, seconds: float) -> None:
+        """The engine waited `seconds` for requests with nothing to run."""
+        if self._end is not None:
+            self._idle += seconds
+
+    def step(self, start: float, seconds: float, *, prefill: bool, running: int,
+             waiting: int) -> None:  # fmt: skip
+        """A step that began at `start` (perf_counter) and took `seconds` with `running`
+        requests in the engine (those it finished included) and `waiting` still queued."""
+        kind = "prefill" if prefill else "decode"
+        if self._start is None:
+            self._start, self.first_step_at = start, time.time() - (time.perf_counter() - start)
+        else:
+            gap = start - self._end
+            self.idle_s += min(self._idle, gap)
+            self.between_s += max(gap - self._idle, 0.0)
+        self._idle = 0.0
+        self._end = start + seconds
+        self.last_step_at = time.time() - (time.perf_counter() - self._end)
+        self.steps[kind] += 1
+        self.busy_s[kind] += seconds
+        if not prefill:
+            self.decode_rows += running
+        if running < self.max_num_seqs and not waiting:
+            self.room_steps += 1
+        entry = (seconds, start - self._start, kind, running)
+        if len(self._slowest) < self.SLOWEST:
+            heapq.heappush(self._slowest, entry)
+        elif seconds > self._slowest[0][0]:
+            heapq.heapreplace(self._slowest, entry)
+
+    def to_dict(self) -> dict:
+        decode = self.steps["decode"]
+        slowest = sorted(self._slowest, reverse=True)
+        return {
+            "max_num_seqs": self.max_num_seqs,
+            "steps": dict(self.steps),
+            "busy_s": {k: round(v, 4) for k, v in self.busy_s.items()},
+            "mean_decode_batch": round(self.decode_rows / decode, 1) if decode else 0.0,
+            "room_steps": self.room_steps,
+            "between_s": round(self.between_s, 4),
+            "idle_s": round(self.idle_s, 4),
+            "first_step_at": self.first_step_at,
+            "last_step_at": self.last_step_at,
+            "slowest": [
+                {"s": round(s, 4), "at_s": round(at, 3), "kind": kind, "requests": n}
+                for s, at, kind, n in slowest
+            ],
+        }
+
+
+def account_line(acct: dict) -> str:
+    """A `StepAccount.to_dict()` in a line: steps and seconds by kind, the mean decode batch,
+    the host's time between steps, the time with nothing to run, the slowest step."""
+    steps, busy = acct["steps"], acct["busy_s"]
+    line = (
+        f"{steps['prefill']} prefill steps {busy['prefill']:.2f} s, {steps['decode']} decode "
+        f"steps {busy['decode']:.2f} s (mean batch {acct['mean_decode_batch']:.1f} of "
+        f"{acct['max_num_seqs']}; {acct['room_steps']} steps with room and none waiting), "
+        f"between steps {acct['between_s']:.2f} s, no rows {acct['idle_s']:.2f} s"
+    )
+    if acct["slowest"]:
+        s = acct["slowest"][0]
+        line += f"; slowest a {s['kind']} step of {s['s'] * 1e3:.0f} ms at {s['at_s']:.1f} s"
+    return line
 
 
 class EngineServer:
@@ -20,6 +118,7 @@ class EngineServer:
         self._on_step = on_step
         self.busy_s = 0.0  # time inside engine steps
         self.rows = 0  # requests finished
+        self.account = StepAccount(engine.config.max_num_seqs)
         self._on_finished, self._on_failure = on_finished, on_failure
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._next_id = 0
@@ -32,28 +131,35 @@ class EngineServer:
 
     def _loop(self) -> None:
         owner = {}  # request id -> key
+        engine, account = self.engine, self.account
         try:
             while True:
-                block = not self.engine.has_unfinished()
+                block = not engine.has_unfinished()
                 while True:
+                    t0 = time.perf_counter()
                     try:
                         items = self._inbox.get(block=block)
                     except queue.Empty:
                         break
+                    if block:
+                        account.idle(time.perf_counter() - t0)
                     block = False
                     for key, ids, sampling in items:
                         rid = str(self._next_id)
                         self._next_id += 1
                         owner[rid] = key
-                        self.engine.add_request(rid, ids, sampling)
-                if not self.engine.has_unfinished():
+                        engine.add_request(rid, ids, sampling)
+                if not engine.has_unfinished():
                     continue
                 t0 = time.perf_counter()
-                finished = self.engine.step()
+                finished = engine.step()
                 dt = time.perf_counter() - t0
                 self.busy_s += dt
+                account.step(t0, dt, prefill=engine.last_step_prefill,
+                             running=len(engine.running) + len(finished),
+                             waiting=len(engine.waiting))  # fmt: skip
                 if self._on_step is not None:
-                    self._on_step(self.engine.last_step_prefill, dt)
+                    self._on_step(engine.last_step_prefill, dt)
                 self.rows += len(finished)
                 for res in finished:
                     self._on_finished(owner.pop(res.request_id), res)

@@ -8,6 +8,7 @@ Fails on the old code: `ReplicaActor.generate(items)` returned only when its who
 import asyncio
 import collections
 import threading
+from types import SimpleNamespace
 
 from k3batch.actors.replica import ReplicaActor
 from k3batch.actors.serve import EngineServer
@@ -18,9 +19,16 @@ class _StubEngine:
     """A request finishes after `max_new_tokens` steps; each step takes a few milliseconds."""
 
     decode_runner = None
+    config = SimpleNamespace(max_num_seqs=8)
+    last_step_prefill = False
+    waiting = ()
 
     def __init__(self):
         self.live = {}  # request id -> [steps left, prompt]
+
+    @property
+    def running(self):
+        return self.live
 
     def add_request(self, rid, ids, sp):
         self.live[rid] = [sp.max_new_tokens, ids]
@@ -40,7 +48,11 @@ class _StubEngine:
 
 
 class _StubTokenizer:
+    def __init__(self):
+        self.threads = set()  # where decode ran
+
     def decode(self, ids):
+        self.threads.add(threading.current_thread().name)
         return "x" * len(ids)
 
 
@@ -49,6 +61,7 @@ def _replica() -> ReplicaActor:
     actor.engine, actor.tokenizer = _StubEngine(), _StubTokenizer()
     actor.load_s, actor._outbox = 0.0, collections.deque()
     actor._wake = actor._wake_loop = None
+    actor._wake_sent = False
     actor.failure, actor.node_id, actor.member_nodes = None, "n0", []
     actor.instance = "one"
     actor.server = EngineServer(actor.engine, actor._finished, actor._engine_failed)
@@ -74,3 +87,23 @@ def test_replica_streams_rows_as_they_finish_and_takes_more_meanwhile():
     (late,) = asyncio.run(take_until(1))
     assert late["key"] == "late" and late["output_token_ids"] == [7]
     assert len(actor.engine.live) == 1  # the slow row is still running
+
+
+def test_rows_are_made_by_the_caller_not_the_engine_thread():
+    """Decoding a row's text is per-row host work: on the engine thread it ran between two steps
+    while the device waited (a whole batch's rows at once when a wave of requests ends)."""
+    actor = _replica()
+    sp = SamplingParams(max_new_tokens=3)
+    actor.submit([(f"r{i}", [i], sp) for i in range(50)])  # all finish at the same step
+
+    async def take() -> list[dict]:
+        rows = []
+        while len(rows) < 50:
+            rows += (await actor.take_results(5.0))[1]
+        return rows
+
+    rows = asyncio.run(take())
+    assert sorted(r["key"] for r in rows) == sorted(f"r{i}" for i in range(50))
+    assert all(r["generated_text"] == "x" for r in rows)
+    assert actor.tokenizer.threads and "engine" not in actor.tokenizer.threads
+    assert not actor._wake_sent  # the burst's one wake has run

@@ -1,0 +1,85 @@
+"""The engine thread's account (`actors.serve.StepAccount`): steps by kind, the decode batch,
+steps with room and none waiting, the host's time between steps apart from the time with no
+rows, the slowest steps; and `EngineServer` keeping it over a stub engine (no model, no Ray)."""
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from k3batch.actors.serve import EngineServer, StepAccount, account_line
+from k3batch.engine.request import GenerationResult, SamplingParams
+
+
+def test_account_splits_the_time_between_steps():
+    a = StepAccount(max_num_seqs=4)
+    a.idle(5.0)  # before the first step: the wait for the first rows is not the engine's
+    a.step(10.0, 0.5, prefill=True, running=4, waiting=2)
+    a.step(10.6, 0.02, prefill=False, running=4, waiting=0)  # 0.1 s of host work before it
+    a.idle(0.3)  # then no rows for 0.3 s, and 0.08 s of host work
+    a.step(11.0, 0.02, prefill=False, running=2, waiting=0)  # room, none waiting
+    d = a.to_dict()
+    assert d["steps"] == {"prefill": 1, "decode": 2}
+    assert d["busy_s"] == {"prefill": 0.5, "decode": 0.04}
+    assert d["mean_decode_batch"] == 3.0 and d["room_steps"] == 1
+    assert d["idle_s"] == pytest.approx(0.3) and d["between_s"] == pytest.approx(0.18)
+    assert [s["s"] for s in d["slowest"]] == [0.5, 0.02, 0.02]
+    assert d["slowest"][0] == {"s": 0.5, "at_s": 0.0, "kind": "prefill", "requests": 4}
+    assert d["last_step_at"] - d["first_step_at"] == pytest.approx(1.02, abs=1e-3)
+    assert "1 prefill steps 0.50 s, 2 decode steps 0.04 s (mean batch 3.0 of 4" in account_line(d)
+
+
+def test_account_keeps_the_five_slowest_steps():
+    a = StepAccount(max_num_seqs=1)
+    for i, s in enumerate([3, 9, 1, 7, 5, 8, 2, 6]):
+        a.step(float(i * 10), float(s), prefill=False, running=1, waiting=0)
+    assert [s["s"] for s in a.to_dict()["slowest"]] == [9, 8, 7, 6, 5]
+
+
+class _Engine:
+    """A request finishes after `max_new_tokens` steps of 2 ms; every step a decode step."""
+
+    config = SimpleNamespace(max_num_seqs=2)
+    last_step_prefill = False
+
+    def __init__(self):
+        self.running, self.waiting = [], []
+
+    def add_request(self, rid, ids, sp):
+        self.waiting.append([rid, sp.max_new_tokens, ids])
+
+    def has_unfinished(self):
+        return bool(self.running or self.waiting)
+
+    def step(self):
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            self.running.append(self.waiting.pop(0))
+        threading.Event().wait(0.002)
+        done = []
+        for req in list(self.running):
+            req[1] -= 1
+            if req[1] == 0:
+                self.running.remove(req)
+                done.append(GenerationResult(req[0], req[2], [7], "length"))
+        return done
+
+
+def test_server_accounts_for_every_step_and_the_wait_for_rows():
+    finished = []
+    server = EngineServer(_Engine(), lambda key, res: finished.append(key), None)
+    sp = SamplingParams(max_new_tokens=3)
+    server.submit([(k, [1], sp) for k in "abc"])  # 2 at once, then the third alone
+    deadline = time.monotonic() + 10
+    while len(finished) < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.05)  # no rows: the engine thread waits
+    server.submit([("d", [1], SamplingParams(max_new_tokens=1))])
+    while len(finished) < 4 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    d = server.account.to_dict()
+    assert finished == ["a", "b", "c", "d"]
+    assert d["steps"] == {"prefill": 0, "decode": 7} and server.rows == 4
+    assert d["room_steps"] == 4  # the third row's steps (alone) and the fourth's
+    assert d["idle_s"] >= 0.04 and d["between_s"] < d["idle_s"]
+    assert d["busy_s"]["decode"] == pytest.approx(server.busy_s, abs=1e-3)
