@@ -34,19 +34,22 @@ from k3batch.driver.report import REPORT_NAME, JobReport, Progress
 
 log = logging.getLogger(__name__)
 
+MAX_OPEN_FACTOR = 4  # open units at most, per unit needed to fill every window (`loop.Loop`)
+
 
 def run_job(spec: JobSpec, *, progress_stream=None, replica_cls=ReplicaActor,
             replica_kw: dict | None = None) -> JobReport:  # fmt: skip
     """Run the job `spec` to the end and return its report (also saved beside the output).
     replica_cls/replica_kw: the replica actor class and extra constructor arguments (tests and
     the driver benchmark use a fake replica)."""
-    t_start = time.monotonic()
+    t_start, started_at = time.monotonic(), time.time()
     spec = spec.validate()
     sink = ShardSink(spec.output.path)
     with OutputLease(sink, job=spec.name) as lease:
         if sink.cleanup_temp():
             log.info("removed leftover temp files of an interrupted run")
         report, files, counts, batch_rows, ctx = _prepare(spec, sink)
+        report.started_at = started_at
         try:
             _run(spec, sink, lease, report, ctx, progress_stream, replica_cls, replica_kw, t_start)
         except CrashLoopError as e:  # the report says why the job stopped, then the caller
@@ -137,9 +140,12 @@ def _run(spec, sink, lease, report, ctx, progress_stream, replica_cls, replica_k
                               report=report, metrics=metrics)  # fmt: skip
         commit = Committer(spec, sink, intake.add_id, report, lease)
         progress = Progress(report.rows_total, report.rows_skipped_resumed, progress_stream)
-        max_open = 1 + -(-r.max_replicas * window // ctx["batch_rows"])
-        loop = Loop(intake, dispatch, pool, commit, max_open=max_open, progress=progress,
-                    report=report, metrics=metrics)  # fmt: skip
+        # every window full and one unit more; up to MAX_OPEN_FACTOR times the units that
+        # takes are held while long rows keep finished ones from committing
+        rows_wanted = r.max_replicas * window + ctx["batch_rows"]
+        max_open = MAX_OPEN_FACTOR * -(-rows_wanted // ctx["batch_rows"])
+        loop = Loop(intake, dispatch, pool, commit, rows_wanted=rows_wanted, max_open=max_open,
+                    progress=progress, report=report, metrics=metrics)  # fmt: skip
         loop.fill()  # the first units read and tokenized while the replicas start
         if loop.open or not intake.exhausted:  # else every unit was committed already (a rerun)
             pool.start()
@@ -160,6 +166,7 @@ def _run(spec, sink, lease, report, ctx, progress_stream, replica_cls, replica_k
         report.decode_groups = [s["decode_group"] for s in stats if "decode_group" in s]
         report.cache = [s["cache"] for s in stats if "cache" in s]
         report.sizing = [s["sizing"] for s in stats if "sizing" in s]
+        report.engine_steps = [s["engine"] for s in stats if "engine" in s]
     finally:
         if pool is not None:
             pool.shutdown()

@@ -1,11 +1,17 @@
 """The driver's event loop: intake, dispatch, replicas and commit joined by one bounded wait.
 
-Each turn: open units while fewer than `max_open` are open (intake), top up the replicas
-(dispatch), let the pool add placed replicas, drain the ones the tail no longer needs and probe
-those that are down (replicas), then wait at most `WAIT_S` for any call or task to finish and
-hand each to its owner; a unit whose rows are all finished is committed. The loop ends when the
-input is exhausted and no unit is open. Open units bound driver memory: at most enough to fill
-every replica's window, plus one.
+Each turn: open units while their unfinished rows fall short of `rows_wanted` and fewer than
+`max_open` are open (intake), top up the replicas (dispatch), let the pool add placed replicas,
+drain the ones the tail no longer needs and probe those that are down (replicas), then wait at
+most `WAIT_S` for any call or task to finish and hand each to its owner; a unit whose rows are
+all finished is committed. The loop ends when the input is exhausted and no unit is open.
+
+Rows, not units, decide when the next unit opens: `rows_wanted` fills every replica's window
+and holds one unit more (the next refill, tokenized before the queue runs dry). A unit commits
+only once its last row is done, so a few long rows keep units open whose other rows are
+finished; counting units instead starved the replicas then (long-tail output lengths: the
+engine ran below max_num_seqs with none waiting while the input still had rows). `max_open`
+bounds driver memory all the same: such units wait beyond it.
 """
 
 import ray
@@ -20,10 +26,13 @@ WAIT_S = 1.0
 
 class Loop:
     def __init__(self, intake: Intake, dispatch: Dispatcher, pool: ReplicaPool, commit: Committer,
-                 *, max_open: int, progress, report, metrics=None):  # fmt: skip
-        """metrics: the job's `k3batch.metrics.JobMetrics`, or None."""
+                 *, rows_wanted: int, max_open: int, progress, report,
+                 metrics=None):  # fmt: skip
+        """rows_wanted: unfinished rows to hold in open units; max_open: units open at most;
+        metrics: the job's `k3batch.metrics.JobMetrics`, or None."""
         self.intake, self.dispatch, self.pool, self.commit = intake, dispatch, pool, commit
-        self.max_open, self.progress, self.report = max_open, progress, report
+        self.rows_wanted, self.max_open = rows_wanted, max_open
+        self.progress, self.report = progress, report
         self.metrics = metrics
         self.open: dict[tuple[int, int], OpenUnit] = {}
 
@@ -57,8 +66,11 @@ class Loop:
         self.progress.update(self._done_rows(), self.report.output_tokens, final=True)
 
     def fill(self) -> None:
-        """Open units (their tokenize tasks started) while fewer than `max_open` are open."""
-        while not self.intake.exhausted and len(self.open) < self.max_open:
+        """Open units (their tokenize tasks started) while their unfinished rows (queued, in
+        flight or still tokenizing) are fewer than `rows_wanted` and fewer than `max_open`
+        units are open."""
+        while (not self.intake.exhausted and len(self.open) < self.max_open
+               and sum(u.remaining for u in self.open.values()) < self.rows_wanted):  # fmt: skip
             state = self.intake.open_next()
             if state is not None:
                 self.open[state.key] = state

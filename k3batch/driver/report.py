@@ -8,6 +8,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from k3batch.actors.serve import account_line
+
 REPORT_NAME = "_k3batch_report.json"
 
 
@@ -41,6 +43,9 @@ class JobReport:
     decode_groups: list[dict] = field(default_factory=list)
     cache: list[dict] = field(default_factory=list)  # per replica: memory and prefix-cache counters
     sizing: list[dict] = field(default_factory=list)  # per replica: `Engine.sizing`
+    # per replica: where its engine thread's time went (`actors.serve.StepAccount.to_dict`)
+    engine_steps: list[dict] = field(default_factory=list)
+    started_at: float = 0.0  # Unix time of the job's start (the steps' times are Unix times)
     stage_s: dict[str, float] = field(
         default_factory=lambda: {
             "startup": 0.0,  # until the first replica is up (units are read meanwhile)
@@ -94,6 +99,8 @@ class JobReport:
             lines.append(f"replica {i} cache: {cache_line(c)}")
         for i, z in enumerate(self.sizing):
             lines.append(f"replica {i} sizing: {sizing_line(z)}")
+        for i, a in enumerate(self.engine_steps):
+            lines.append(f"replica {i} engine: {account_line(a)}")
         if self.replica_failures:
             lines.append(
                 f"replica failures: {self.replica_failures}, rows retried: {self.rows_retried}"

@@ -215,8 +215,7 @@ def test_two_replicas_share_the_stream_with_bounded_memory(cluster, mini_model_d
         f"{tmp_path / 'in.parquet'}:{i}" for i in range(40)
     )
     assert all(n > 0 for n in report.rows_per_replica), report.rows_per_replica
-    assert report.peak_inflight_rows <= 4
-    assert report.peak_open_units <= 1 + 2 * 4 // 4  # far fewer than the 10 units of input
+    assert report.peak_inflight_rows <= 4  # the units held open: tests/driver/test_loop_fill.py
 
 
 # Greedy tokens are compared bit for bit across runs whose batches are composed differently
