@@ -5,10 +5,19 @@ Linear, as the official checkpoints store them, unless `experts` says otherwise:
 bf16 checkpoint is 98 GB, its MXFP4 one 29 GB) unless one is given, a Parquet file of N prompts
 of random token ids (the `random` dataset of vLLM's and SGLang's offline benchmarks: fixed input
 and output lengths, EOS ignored), runs `run_job` on it, then the same prompts through one engine
-in this process (`Engine.generate`, after the job has released its devices). Prints rows/s,
-input and output tokens/s of the job (over its wall time, and from start-up's end to the last
-row written: `stage_s["run"]`, which leaves out the shutdown) and its output tokens/s as a
-fraction of the engine's.
+in this process (after the job has released its devices, warmed up first on two other prompts
+of the same length: its warm-up is not timed). Prints rows/s, input and output tokens/s of the
+job (over its wall time, and from start-up's end to the last row written: `stage_s["run"]`,
+which leaves out the shutdown) and its output tokens/s as a fraction of the engine's.
+
+Where each side's time went: the replica's `StepAccount` (its engine thread: steps by kind,
+the decode batch, the host's time between steps, time with no rows, the slowest steps) and the
+same account of the engine alone, plus, for the job, its first step's delay after start-up and
+its last step's before the last row is written (`job_engine`, `engine_steps`).
+
+Device "sim" (or "sim:DECODE_MS,PREFILL_MS,ARENA_GIB"): no weights, the replica and the engine
+alone on a GPU simulated on the wall clock (`bench.sim_device`: by default Kimi Linear on one
+H100), so that the job's own overhead against the engine alone shows on a CPU.
 """
 
 import time
@@ -18,10 +27,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from k3batch.actors.serve import StepAccount, account_line
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import SamplingParams
 from k3batch.driver.report import handoff_line
-
 
 def write_random_prompts(path: Path, num_prompts: int, input_len: int, vocab: int,
                          seed: int = 0) -> list[list[int]]:  # fmt: skip
@@ -47,16 +56,24 @@ def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
     layout: the replicas' pp, tp, dcp, disaggregate (default: one device each); chunk_size:
     the engine's prompt tokens per request per prefill step (default: EngineConfig's);
     experts: the routed experts of the checkpoint written (`init_checkpoint`'s argument; the
-    replicas keep MXFP4 ones packed)."""
+    replicas keep MXFP4 ones packed); device "sim[:...]": see the module doc (one device per
+    replica)."""
     from k3batch.actors.build import build_engine, default_device
     from k3batch.driver.job import run_job
     from k3batch.driver.jobspec import InputSpec, JobSpec, OutputSpec, ReplicaSpec
+    from k3batch.engine.runner import MAX_AUTO_SEQS
     from k3batch.model.config import K3Config
     from k3batch.model.weights import init_checkpoint
 
+    from k3batch.bench.sim_device import SimDevice, SimReplica, sim_engine, write_sim_checkpoint
+
     work = Path(work_dir)
-    dev = default_device() if device == "auto" else device
-    if model_dir is None:
+    sim = SimDevice.parse(device) if device.startswith("sim") else None
+    dev = "cpu" if sim else default_device() if device == "auto" else device
+    if model_dir is None and sim:
+        model_dir = work / f"model-{flavor}-sim"
+        write_sim_checkpoint(flavor, model_dir)
+    elif model_dir is None:
         model_dir = work / (f"model-{flavor}" + ("" if experts == "auto" else f"-{experts}"))
         if not (model_dir / "config.json").exists():
             init_checkpoint(flavor, model_dir, seed, experts, device=dev)  # the model is freed
@@ -72,11 +89,14 @@ def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
     engine = EngineConfig(max_num_seqs=max_num_seqs, max_seq_len=input_len + output_len + 1,
                           **chunk)  # fmt: skip
     out = work / f"out-{time.strftime('%Y%m%d-%H%M%S')}"
+    # a simulated GPU's replica: the window a GPU replica gets (JobSpec.inflight_rows)
+    window = {"max_inflight_rows": max(64, 2 * (max_num_seqs or MAX_AUTO_SEQS))} if sim else {}
     spec = JobSpec(model=str(model_dir), name="bench-job", input=InputSpec(path=str(data)),
                    output=OutputSpec(path=str(out)), sampling=sampling, engine=engine,
-                   replicas=ReplicaSpec(num_replicas=num_replicas, device=dev,
+                   replicas=ReplicaSpec(num_replicas=num_replicas, device=dev, **window,
                                         **(layout or {})))  # fmt: skip
-    report = run_job(spec)
+    replica = {"replica_cls": SimReplica, "replica_kw": {"sim": sim}} if sim else {}
+    report = run_job(spec, **replica)
     if not report.is_complete:
         raise RuntimeError(f"the benchmark job left rows without output: {report.missing}")
     wall, startup = report.wall_s, report.stage_s["startup"]
@@ -97,17 +117,51 @@ def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
     }  # fmt: skip
     if report.decode_groups:
         row["handoff"] = [handoff_line(d) for d in report.decode_groups]
+    if report.engine_steps:  # the window: from start-up's end to the last row written
+        up = report.started_at + startup
+        row["job_engine"] = [_placed(a, up, up + report.stage_s["run"])
+                             for a in report.engine_steps]  # fmt: skip
     if engine_alone:
-        eng, _ = build_engine(str(model_dir), engine, device=dev)
-        eng.generate(prompts[: min(2, num_prompts)], sampling)  # warm-up: compile, autotune
-        t = time.perf_counter()
-        results = eng.generate(prompts, sampling)
-        engine_s = time.perf_counter() - t
-        tokens = sum(len(r.output_token_ids) for r in results)
+        if sim:
+            eng, _ = sim_engine(model_dir, engine, sim)
+        else:
+            eng, _ = build_engine(str(model_dir), engine, device=dev)
+        # warm-up (compile, autotune) on prompts of the same length that share no prefix with
+        # the timed ones (the prefix cache would spare those their prefill)
+        eng.generate([p[::-1] for p in prompts[:2]], sampling)
+        engine_s, tokens, account = _engine_alone(eng, prompts, sampling)
         row["engine_output_tokens_per_s"] = round(tokens / engine_s, 1)
         row["job_vs_engine"] = round(row["job_output_tokens_per_s_after_startup"]
                                      / row["engine_output_tokens_per_s"], 3)  # fmt: skip
+        row["engine_steps"] = account
     return row
+
+
+def _engine_alone(engine, prompts: list[list[int]], sampling: SamplingParams):
+    """(seconds, output tokens, the steps' account) of the prompts through the engine, stepped
+    as `Engine.generate` steps it, each step counted as the replica counts its own."""
+    account = StepAccount(engine.config.max_num_seqs)
+    t0, t0_unix = time.perf_counter(), time.time()
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, sampling)
+    tokens = 0
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        finished = engine.step()
+        account.step(start, time.perf_counter() - start, prefill=engine.last_step_prefill,
+                     running=len(engine.running) + len(finished),
+                     waiting=len(engine.waiting))  # fmt: skip
+        tokens += sum(len(r.output_token_ids) for r in finished)
+    seconds = time.perf_counter() - t0
+    return seconds, tokens, _placed(account.to_dict(), t0_unix, t0_unix + seconds)
+
+
+def _placed(account: dict, start: float, end: float) -> dict:
+    """An account with its first step's delay after `start` and its last step's lead on `end`
+    (Unix times: the timed window)."""
+    first, last = account["first_step_at"], account["last_step_at"]
+    return account | {"first_step_s": None if first is None else round(first - start, 3),
+                      "tail_s": None if last is None else round(end - last, 3)}  # fmt: skip
 
 
 def format_job_bench(row: dict) -> str:
@@ -125,9 +179,19 @@ def format_job_bench(row: dict) -> str:
 
         lines.append(f"  replica sizing: {sizing_line(row['sizing'])}")
     lines += [f"  handoff: {h}" for h in row.get("handoff", [])]
+    for i, a in enumerate(row.get("job_engine", [])):
+        lines.append(f"  replica {i} engine: {_account_text(a)}")
     if "engine_output_tokens_per_s" in row:
         lines.append(
             f"  engine alone: output {row['engine_output_tokens_per_s']:.0f} tok/s; job after "
             f"start-up / engine = {row['job_vs_engine']:.2f}"
         )
+        lines.append(f"  engine alone's engine: {_account_text(row['engine_steps'])}")
     return "\n".join(lines)
+
+
+def _account_text(a: dict) -> str:
+    if a["first_step_s"] is None:
+        return "no steps"
+    return (f"first step {a['first_step_s']:.2f} s in, last {a['tail_s']:.2f} s before the "
+            f"end; {account_line(a)}")  # fmt: skip
