@@ -98,7 +98,8 @@ class StepAccount:
 
 def account_line(acct: dict) -> str:
     """A `StepAccount.to_dict()` in a line: steps and seconds by kind, the mean decode batch,
-    the host's time between steps, the time with nothing to run, the slowest step."""
+    the host's time between steps, the time with nothing to run, the three slowest steps
+    (seconds since the first step)."""
     steps, busy = acct["steps"], acct["busy_s"]
     line = (
         f"{steps['prefill']} prefill steps {busy['prefill']:.2f} s, {steps['decode']} decode "
@@ -107,8 +108,9 @@ def account_line(acct: dict) -> str:
         f"between steps {acct['between_s']:.2f} s, no rows {acct['idle_s']:.2f} s"
     )
     if acct["slowest"]:
-        s = acct["slowest"][0]
-        line += f"; slowest a {s['kind']} step of {s['s'] * 1e3:.0f} ms at {s['at_s']:.1f} s"
+        line += "; slowest: " + ", ".join(
+            f"{s['kind']} {s['s'] * 1e3:.0f} ms at {s['at_s']:.1f} s" for s in acct["slowest"][:3]
+        )
     return line
 
 

@@ -12,8 +12,13 @@ which leaves out the shutdown) and its output tokens/s as a fraction of the engi
 
 Where each side's time went: the replica's `StepAccount` (its engine thread: steps by kind,
 the decode batch, the host's time between steps, time with no rows, the slowest steps) and the
-same account of the engine alone, plus, for the job, its first step's delay after start-up and
-its last step's before the last row is written (`job_engine`, `engine_steps`).
+same account of the engine alone, plus each side's first step's delay into its window and its
+last step's lead on the window's end (`job_engine`, `engine_steps`). The two windows differ in
+one thing the accounts show: the engine alone's warm-up (a generate on two prompts like the
+timed ones) is untimed, the job's replica has only start-up's (the workspace prefill and its
+continuation chunks, the decode graphs' capture), so a first use in the run that start-up did
+not cover (a kernel variant compiled or loaded, the allocator growing) is timed in the job
+alone: it shows as slow early steps in the job's account and not in the engine's.
 
 Device "sim" (or "sim:DECODE_MS,PREFILL_MS,ARENA_GIB"): no weights, the replica and the engine
 alone on a GPU simulated on the wall clock (`bench.sim_device`: by default Kimi Linear on one
@@ -31,6 +36,7 @@ from k3batch.actors.serve import StepAccount, account_line
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import SamplingParams
 from k3batch.driver.report import handoff_line
+
 
 def write_random_prompts(path: Path, num_prompts: int, input_len: int, vocab: int,
                          seed: int = 0) -> list[list[int]]:  # fmt: skip
@@ -59,13 +65,12 @@ def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
     replicas keep MXFP4 ones packed); device "sim[:...]": see the module doc (one device per
     replica)."""
     from k3batch.actors.build import build_engine, default_device
+    from k3batch.bench.sim_device import SimDevice, SimReplica, sim_engine, write_sim_checkpoint
     from k3batch.driver.job import run_job
     from k3batch.driver.jobspec import InputSpec, JobSpec, OutputSpec, ReplicaSpec
     from k3batch.engine.runner import MAX_AUTO_SEQS
     from k3batch.model.config import K3Config
     from k3batch.model.weights import init_checkpoint
-
-    from k3batch.bench.sim_device import SimDevice, SimReplica, sim_engine, write_sim_checkpoint
 
     work = Path(work_dir)
     sim = SimDevice.parse(device) if device.startswith("sim") else None
