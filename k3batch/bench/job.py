@@ -124,7 +124,7 @@ def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
         row["handoff"] = [handoff_line(d) for d in report.decode_groups]
     if report.engine_steps:  # the window: from start-up's end to the last row written
         up = report.started_at + startup
-        row["job_engine"] = [_placed(a, up, up + report.stage_s["run"])
+        row["job_engine"] = [placed(a, up, up + report.stage_s["run"])
                              for a in report.engine_steps]  # fmt: skip
     if engine_alone:
         if sim:
@@ -134,7 +134,7 @@ def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
         # warm-up (compile, autotune) on prompts of the same length that share no prefix with
         # the timed ones (the prefix cache would spare those their prefill)
         eng.generate([p[::-1] for p in prompts[:2]], sampling)
-        engine_s, tokens, account = _engine_alone(eng, prompts, sampling)
+        engine_s, tokens, account = run_engine_alone(eng, prompts, sampling)
         row["engine_output_tokens_per_s"] = round(tokens / engine_s, 1)
         row["job_vs_engine"] = round(row["job_output_tokens_per_s_after_startup"]
                                      / row["engine_output_tokens_per_s"], 3)  # fmt: skip
@@ -142,13 +142,16 @@ def run_job_bench(flavor: str, work_dir, *, num_prompts: int, input_len: int,
     return row
 
 
-def _engine_alone(engine, prompts: list[list[int]], sampling: SamplingParams):
-    """(seconds, output tokens, the steps' account) of the prompts through the engine, stepped
-    as `Engine.generate` steps it, each step counted as the replica counts its own."""
+def run_engine_alone(engine, prompts: list[list[int]],
+                     sampling: SamplingParams | list[SamplingParams]):  # fmt: skip
+    """(seconds, output tokens, the steps' account placed in its window) of the prompts through
+    the engine (one sampling, or one per prompt), stepped as `Engine.generate` steps it, each
+    step counted as the replica counts its own."""
+    samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
     account = StepAccount(engine.config.max_num_seqs)
     t0, t0_unix = time.perf_counter(), time.time()
-    for i, ids in enumerate(prompts):
-        engine.add_request(str(i), ids, sampling)
+    for i, (ids, sp) in enumerate(zip(prompts, samplings)):
+        engine.add_request(str(i), ids, sp)
     tokens = 0
     while engine.has_unfinished():
         start = time.perf_counter()
@@ -158,10 +161,10 @@ def _engine_alone(engine, prompts: list[list[int]], sampling: SamplingParams):
                      waiting=len(engine.waiting))  # fmt: skip
         tokens += sum(len(r.output_token_ids) for r in finished)
     seconds = time.perf_counter() - t0
-    return seconds, tokens, _placed(account.to_dict(), t0_unix, t0_unix + seconds)
+    return seconds, tokens, placed(account.to_dict(), t0_unix, t0_unix + seconds)
 
 
-def _placed(account: dict, start: float, end: float) -> dict:
+def placed(account: dict, start: float, end: float) -> dict:
     """An account with its first step's delay after `start` and its last step's lead on `end`
     (Unix times: the timed window)."""
     first, last = account["first_step_at"], account["last_step_at"]
@@ -185,17 +188,19 @@ def format_job_bench(row: dict) -> str:
         lines.append(f"  replica sizing: {sizing_line(row['sizing'])}")
     lines += [f"  handoff: {h}" for h in row.get("handoff", [])]
     for i, a in enumerate(row.get("job_engine", [])):
-        lines.append(f"  replica {i} engine: {_account_text(a)}")
+        lines.append(f"  replica {i} engine: {account_text(a)}")
     if "engine_output_tokens_per_s" in row:
         lines.append(
             f"  engine alone: output {row['engine_output_tokens_per_s']:.0f} tok/s; job after "
             f"start-up / engine = {row['job_vs_engine']:.2f}"
         )
-        lines.append(f"  engine alone's engine: {_account_text(row['engine_steps'])}")
+        lines.append(f"  engine alone's engine: {account_text(row['engine_steps'])}")
     return "\n".join(lines)
 
 
-def _account_text(a: dict) -> str:
+def account_text(a: dict) -> str:
+    """A `placed` account in a line: where its first and last steps fell in the window, then
+    `actors.serve.account_line`."""
     if a["first_step_s"] is None:
         return "no steps"
     return (f"first step {a['first_step_s']:.2f} s in, last {a['tail_s']:.2f} s before the "
