@@ -13,11 +13,14 @@ which leaves out the shutdown) and its output tokens/s as a fraction of the engi
 Where each side's time went: the replica's `StepAccount` (its engine thread: steps by kind,
 the decode batch, the host's time between steps, time with no rows, the slowest steps) and the
 same account of the engine alone, plus each side's first step's delay into its window and its
-last step's lead on the window's end (`job_engine`, `engine_steps`). The two windows differ in
-one thing the accounts show: the engine alone's warm-up (a generate on two prompts like the
-timed ones) is untimed, the job's replica has only start-up's (the workspace prefill and its
-continuation chunks, the decode graphs' capture), so a first use in the run that start-up did
-not cover (a kernel variant compiled or loaded, the allocator growing) is timed in the job
+last step's lead on the window's end (`job_engine`, `engine_steps`): first step + the steps'
+seconds + between steps + no rows + tail = the window (one replica; the first and the tail on
+the clocks of the driver's and the replica's hosts), so a gap between the two sides is in one
+of these terms. The windows differ in one thing the accounts show: the engine alone's warm-up
+(a generate on two prompts like the timed ones) is untimed, the job's replica has only
+start-up's (the workspace prefill and its continuation chunks, the decode graphs' capture), so
+a first use in the run that start-up did not cover (a kernel variant compiled or loaded, the
+allocator growing, a library handle made on the replica's engine thread) is timed in the job
 alone: it shows as slow early steps in the job's account and not in the engine's.
 
 Device "sim" (or "sim:DECODE_MS,PREFILL_MS,ARENA_GIB"): no weights, the replica and the engine
