@@ -12,7 +12,6 @@ decode takes a step's tokens after launching the next), so what the job adds bet
 shows, and what it adds to them.
 """
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +20,9 @@ from k3batch.actors.replica import ReplicaActor
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.engine import Engine
 from k3batch.model.config import K3Config, get_flavor
+from k3batch.model.weights import write_side_files
 from k3batch.sim.clock import SimRunner, VirtualClock, phase
-from k3batch.tokenizer import Tokenizer, write_tiny_tokenizer
+from k3batch.tokenizer import Tokenizer
 
 SIM_TOKENS = 8192  # the prefill tokens that SimDevice.prefill_s is given for
 
@@ -97,13 +97,5 @@ class SimReplica(ReplicaActor):
 def write_sim_checkpoint(flavor: str, out_dir: Path) -> None:
     """A flavor's config.json and a tiny tokenizer of its vocabulary: all a simulated device
     reads (no weights)."""
-    config = get_flavor(flavor)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_tiny_tokenizer(
-        out_dir,
-        vocab_size=config.vocab_size,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-    )
-    (out_dir / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+    write_side_files(get_flavor(flavor), out_dir)

@@ -370,7 +370,7 @@ def write_checkpoint(
         del tensors
     index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
     (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    _write_side_files(config, out_dir)
+    write_side_files(config, out_dir)
     return model
 
 
@@ -446,7 +446,9 @@ def _export(params: dict, entry: Entry, gen, quantized: dict) -> torch.Tensor:
     return src.to(dtype=entry.dtype, copy=True).contiguous()
 
 
-def _write_side_files(config: K3Config, out_dir: Path) -> None:
+def write_side_files(config: K3Config, out_dir: Path) -> None:
+    """What a checkpoint holds beside its weights: config.json, generation_config.json and a
+    tiny tokenizer of the config's vocabulary."""
     from k3batch.tokenizer import write_tiny_tokenizer  # only the writer needs it
 
     (out_dir / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
