@@ -14,7 +14,6 @@ budget=${1:-540}
 t0=$SECONDS
 gib=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-git rev-parse --short HEAD >> "$OUT/gpu.txt"
 [ "${2:-}" = diag ] && timeout 120 python3 benchmarks/prefill_host_gpu.py --flavor kimi-linear --experts mxfp4 \
   --tokens 8192 2>&1 | grep -v Warning | tee "$OUT/prefill_host_gpu.txt"
 rows=()

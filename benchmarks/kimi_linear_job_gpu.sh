@@ -5,7 +5,8 @@
 # tests: the GPU kernel tests at Kimi Linear's shapes against their fp32 references;
 # tune: `bench moe --sweep --save-tuned` at its prefill (8,192 tokens) and decode (16 and 256)
 #   expert shapes, bf16 and MXFP4, then MLA decode/prefill and KDA decode at its 32 heads, into
-#   this GPU's tuned tables (copied to $OUT/tuned/<op>/: copy them back to kernels/<op>/tuned/);
+#   this GPU's tuned tables (the ones written, copied to $OUT/tuned_<op>_<GPU>.json: copy them
+#   back to kernels/<op>/tuned/<GPU>.json);
 # job: `bench job --flavor kimi-linear --experts mxfp4` at 1,024 prompts of 1K in / 256 out
 #   (cold: checkpoint written, Triton cache as carried), then job-warm: the same job again with
 #   the checkpoint and the compiled kernels in place (no engine-alone run).
@@ -15,7 +16,6 @@ parts=${2:-tests,diag,tune,job,job-warm}
 t0=$SECONDS
 left() { echo $((budget - (SECONDS - t0))); }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-git rev-parse --short HEAD 2>/dev/null >> "$OUT/gpu.txt"
 if [[ $parts == *tests* ]]; then
   echo "=== tests ($(left) s left)"
   TRITON_F32_DEFAULT=ieee timeout $(( $(left) < 200 ? $(left) : 200 )) python3 -m pytest -q -m gpu -p no:cacheprovider \
@@ -45,8 +45,12 @@ if [[ $parts == *tune* ]]; then
     timeout 110 python3 -m k3batch.cli bench $sweep --sweep --save-tuned \
       --json "$OUT/kernel_sweeps_kimi_linear.jsonl" 2>&1 | grep -v Warning | tail -3
   done 2>&1 | tee -a "$OUT/moe_kimi_linear_tune.txt"
-  for op in moe mla kda; do  # one folder per op: the tables share the GPU's file name
-    mkdir -p "$OUT/tuned/$op" && cp kernels/$op/tuned/*.json "$OUT/tuned/$op/" 2>/dev/null
+  # one file per op, only the tables this call wrote (the device returns a few files only;
+  # the tables share the GPU's file name)
+  for op in moe mla kda; do
+    for f in $(find kernels/$op/tuned -name '*.json' -newer "$OUT/gpu.txt"); do
+      cp "$f" "$OUT/tuned_${op}_$(basename "$f")"
+    done
   done
 fi
 for part in job job-warm; do
