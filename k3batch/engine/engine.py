@@ -15,18 +15,15 @@ batch is taken, and runs the one-device engine's batches in the same order.
 Disaggregated, the two sides run at their own pace: prefill batches stay in flight across
 steps, a step waits for one only when it has no decode step to run (an 8,192-token chunk takes
 about ten decode steps' time), and each side has its own `max_num_seqs` (`_num_admitted`). A
-finished prompt's handoff is split in two (`_handoff`): its export is queued on the stages at
-once, and the decode group imports it only once every stage has run it, so decode steps never
-queue behind the prefill batches that the export itself waits for.
+finished prompt moves to the decode group in two halves (`handoff.py`), so that decode steps
+never queue behind the prefill batches that its export waits for.
 
 Memory: each runner's arenas form one account (`cache.manager.CacheManager`; a separate one
 for the decode group). A request is admitted when its KDA block and its prompt's pages fit;
 a prefix hit starts it from a shared KDA checkpoint and shared pages. A decode step first
 gives every request the page of its next token; when pages run out, the youngest request is
 retracted: it frees its memory and later runs again from its prompt (same seed, same tokens),
-so nothing is lost. A prompt is cut into chunks of at most `chunk_size` tokens, always ending
-at fixed cut points (multiples of chunk_size and, with the prefix cache, the last page
-boundary before the prompt's end), so a prefix hit computes exactly what a miss does.
+so nothing is lost. Prompts are cut into chunks at fixed points (`chunks.py`).
 
 Failures: what a request holds (its ids, its sampling values) can fail that request only, with
 finish_reason 'error': it is checked when added, and an exception in its own work after a
@@ -37,29 +34,19 @@ engine's and propagates.
 import contextlib
 import logging
 from collections import deque
-from typing import NamedTuple
 
 import torch
 
 from k3batch.cache.manager import CacheManager
+from k3batch.engine.chunks import chunk_cuts, plan_batch
 from k3batch.engine.config import EngineConfig
+from k3batch.engine.handoff import Handoff
 from k3batch.engine.request import GenerationResult, Phase, Request, SamplingParams
-from k3batch.engine.runner import LocalRunner, sized
+from k3batch.engine.runner import SCRATCH, LocalRunner, memory_account, sized
 from k3batch.engine.sampler import Sampled, add_prompt_logprobs, draw_seed, sample
 from k3batch.model.forward_batch import ForwardBatch, to_device
 
 log = logging.getLogger(__name__)
-
-SCRATCH = "\0scratch"  # the decode group's padding rows (see `_decode`)
-
-
-class _Export(NamedTuple):
-    """A request whose export is queued on the prefill stages, not yet imported (`_handoff`)."""
-
-    req: Request
-    sent: object  # what `runner.export_request` returned
-    after: int  # prefill batches submitted before it (the stages run it after those)
-
 
 class Engine:
     def __init__(
@@ -86,7 +73,7 @@ class Engine:
         sized_here = getattr(self.runner, "engine_config", None)
         self.config = config = sized_here or sized(config, cuda=False)
         self.decode_runner = decode_runner
-        self.pool = self._account(self.runner, config.prefix_cache)
+        self.pool = memory_account(self.runner, config, config.prefix_cache)
         self.decode_pool = None
         if decode_runner is not None:
             if not hasattr(self.runner, "export_request"):
@@ -94,7 +81,7 @@ class Engine:
                     "a decode group takes requests from prefill stage actors (a pipeline "
                     "runner), not from a model in this process"
                 )
-            self.decode_pool = self._account(decode_runner, False)
+            self.decode_pool = memory_account(decode_runner, config, False)
         mcfg = self.runner.config
         self.vocab_size = mcfg.vocab_size
         self.eos_token_ids = tuple(eos_token_ids or (mcfg.eos_token_id,))
@@ -107,29 +94,12 @@ class Engine:
         self._pending: dict[tuple[int, ...], str] = {}
         self._errors: list[GenerationResult] = []
         self._prefilling: deque = deque()  # a pipeline's prefill batches in flight, oldest first
-        self._num_prefills = 0  # disaggregated: prefill batches submitted so far
-        self._exports: deque[_Export] = deque()  # disaggregated: exports in flight, oldest first
+        self.handoff = Handoff(self)  # disaggregated: exports in flight, prefill batches sent
         # Overlapped decode (one runner that takes device tokens): the decode step whose tokens
         # are still on their way to the host, (requests, Sampled).
         self.overlap = (config.overlap and decode_runner is None
                         and getattr(self.runner, "feeds_tokens", False))  # fmt: skip
         self._inflight: tuple[list[Request], Sampled] | None = None
-
-    def _account(self, runner, prefix_cache: bool) -> CacheManager:
-        """The memory account of a runner's arenas; a runner that pads decode batches gets
-        the scratch request (one block, one page) that its padding rows use."""
-        static = self.config.memory_pool == "static"
-        pads = getattr(runner, "pads_decode", False)
-        pool = CacheManager(
-            runner.cache_specs(),
-            page_size=self.config.page_size,
-            static_blocks=self.config.max_num_seqs + pads if static else None,
-            prefix_cache=prefix_cache,
-            dcp_size=runner.dcp_size,
-        )
-        if pads and pool.admit(SCRATCH, [], 1) is None:
-            raise ValueError("the cache pool has no room for the scratch rows of decode batches")
-        return pool
 
     # ---- queue ----------------------------------------------------------------------------
     def add_request(
@@ -150,21 +120,11 @@ class Engine:
         if reason:
             self._fail(req, reason)
             return
-        req.cuts = self._cuts(len(req.prompt_token_ids), sampling.prompt_logprobs_start)
+        req.cuts = chunk_cuts(len(req.prompt_token_ids), self.config.chunk_size,
+                              self.config.page_size if self.pool.tree is not None else None,
+                              sampling.prompt_logprobs_start)  # fmt: skip
         self._seeds[request_id] = draw_seed() if sampling.seed is None else sampling.seed
         self.waiting.append(req)
-
-    def _cuts(self, prompt_len: int, score_start: int = 0) -> tuple[int, ...]:
-        """Chunk ends: multiples of chunk_size and, with the prefix cache, the last page
-        boundary before the prompt's end and (for a scored continuation) before the first row
-        it needs, score_start - 1, so that its context is checkpointed for the next choice."""
-        cs, ps = self.config.chunk_size, self.config.page_size
-        cuts = set(range(cs, prompt_len, cs))
-        if self.pool.tree is not None:
-            for end in (prompt_len, score_start):
-                if 0 < (end - 1) // ps * ps < prompt_len:
-                    cuts.add((end - 1) // ps * ps)
-        return tuple(sorted(cuts))
 
     def _fail(self, req: Request, reason: str) -> None:
         self._errors.append(
@@ -222,14 +182,14 @@ class Engine:
             free = self.runner.depth - len(self._prefilling)
             submitted = self._submit_prefills(prefill, free)
             self._prefilling.extend(submitted)
-            self._num_prefills += len(submitted)
+            self.handoff.num_prefills += len(submitted)
             if decoding := self._make_room(self.decode_pool):
                 self._decode(decoding, self.decode_runner, self.decode_pool)
-            elif self._prefilling or self._exports:  # nothing else to wait for
-                self._wait_pipeline()
+            elif self._prefilling or self.handoff.exports:  # nothing else to wait for
+                self.handoff.wait()
             while self._prefilling and self.runner.ready(self._prefilling[0][3]):
                 self._finish_prefills([self._prefilling.popleft()])
-            self._handoff()
+            self.handoff.move()
         done, self._errors = self._errors, []
         for req in [r for r in self.running if r.phase is Phase.FINISHED]:
             self._drop(req)
@@ -240,7 +200,7 @@ class Engine:
     def _drop(self, req: Request) -> None:
         # Nothing fails or retracts a request whose export is in flight (its prefill is done,
         # it takes no decode step): its decode memory must stay until its import is queued.
-        assert all(e.req is not req for e in self._exports), req.request_id
+        assert not self.handoff.exporting(req), req.request_id
         self.running.remove(req)
         for prefix in [k for k, rid in self._pending.items() if rid == req.request_id]:
             del self._pending[prefix]
@@ -280,13 +240,10 @@ class Engine:
     def _num_admitted(self) -> int:
         """Requests that count against admission: all running ones on one runner; with a
         decode group, those that hold prefill memory (decoding ones and those whose import is
-        pending hold decode memory: they count against the handoff, `_num_decoding`)."""
+        pending hold decode memory: they count against the handoff, `Handoff.num_decoding`)."""
         if self.decode_runner is None:
             return len(self.running)
-        return sum(r.phase is not Phase.DECODE for r in self.running) - len(self._exports)
-
-    def _num_decoding(self) -> int:
-        return sum(r.phase is Phase.DECODE for r in self.running) + len(self._exports)
+        return sum(r.phase is not Phase.DECODE for r in self.running) - len(self.handoff.exports)
 
     def _make_room(self, pool: CacheManager) -> list[Request]:
         """The decoding requests of `pool`, each with a page for its next token; when pages
@@ -305,8 +262,8 @@ class Engine:
         while i < len(decoding):  # decoding[i + 1:] may shrink from the end (retractions)
             req = decoding[i]
             while not pool.grow(req.request_id, req.num_computed + 1):
-                if self._exports:  # the decode group's pool: see above
-                    self._import_exports(flush=True)
+                if self.handoff.exports:  # the decode group's pool: see above
+                    self.handoff.import_ready(flush=True)
                     return self._make_room(pool)
                 victim = decoding.pop()
                 if victim is req and not decoding:
@@ -332,82 +289,6 @@ class Engine:
         self._seeds.pop(req.request_id)
         self._fail(req, reason)
 
-    def _handoff(self) -> None:
-        """Move prefilled requests to the decode group, in order, while they fit there (its
-        arena, and max_num_seqs requests decoding or with an import pending: its batch bound).
-
-        In two halves, so that neither side waits for the other. Export: the request gets its
-        decode memory, every stage is asked to send its layers (`runner.export_request`), and
-        its prefill block and pages are freed at once (a stage copies the request into its
-        send buffers when the export runs, before any later forward or move that could reuse
-        them). The export runs on each stage after the prefill batches already queued there
-        (up to `depth` of them), so the request stays in HANDOFF, in `_exports`. Import: once
-        every stage has run it (`runner.exported`, checked without waiting), the decode group
-        receives it (`decode_runner.import_request`) and it decodes from the next step.
-        Imports go in export order: a stage's sends to one rank match the rank's receives in
-        the order posted. Importing at once instead had each rank block in the import until
-        the stages reached the export, and every decode step queued behind it (in a K3 PP16
-        -> TP16/DCP16 simulation, up to 11 s per handoff).
-
-        No deadlock: stage s's isend to a rank stays unmatched until the rank posts its irecv,
-        which it does only for an import, after every stage's export of that request has run,
-        as when the import was queued at once (the rank then waited for all the manifests
-        before posting any irecv); the stages never wait for a handoff send to complete
-        before their next call, and a rank's import waits only for manifests that exist.
-        Failures: a stage that died counts as `exported` (its manifest is an error), the
-        ranks' import fails and marks them broken, so the next decode step raises; a hung one
-        leaves the export pending until the engine has nothing else to do and `wait_exported`
-        times out. Either way the replica goes down with its requests, as before. A request
-        leaves `_exports` only by its import (see `_drop`), so it stays in `running` and
-        `has_unfinished` holds until it decodes."""
-        decoding = self._num_decoding()
-        exporting = {e.req for e in self._exports}
-        for req in [r for r in self.running if r.phase is Phase.HANDOFF and r not in exporting]:
-            if decoding >= self.config.max_num_seqs:
-                break
-            rid = req.request_id
-            if self.decode_pool.admit(rid, [], req.num_computed + 1) is None:
-                if self.decode_pool.num_requests > 1:
-                    break  # wait for room
-                n = req.num_computed + 1  # only the scratch is there: it can never fit
-                self._abort(req, f"request of {n} tokens does not fit in the decode group's pool")
-                continue
-            self.runner.apply(self.pool.drain())
-            sent = self.runner.export_request(
-                self.pool.block_of(rid), self.pool.pages_of(rid), req.num_computed
-            )
-            self.pool.release(rid)
-            self._exports.append(_Export(req, sent, self._num_prefills))
-            decoding += 1
-        self._import_exports()
-
-    def _import_exports(self, flush: bool = False) -> None:
-        """Import the exports that every stage has run, oldest first (all of them, waiting
-        for each: `flush`), each into its decode block and pages as they are now (moves
-        queued before it are applied first)."""
-        while self._exports:
-            if flush:
-                self.runner.wait_exported(self._exports[0].sent)
-            elif not self.runner.exported(self._exports[0].sent):
-                return
-            req, sent, _ = self._exports.popleft()
-            rid = req.request_id
-            self.decode_runner.apply(self.decode_pool.drain())
-            self.decode_runner.import_request(
-                self.decode_pool.block_of(rid), self.decode_pool.pages_of(rid), sent
-            )
-            req.phase = Phase.DECODE
-
-    def _wait_pipeline(self) -> None:
-        """With no decode step to run: block on what the pipeline finishes first, its oldest
-        prefill batch or its oldest export. A stage runs its calls in the order issued, so
-        that is the one issued first (`done`: the prefill batches taken, oldest first)."""
-        done = self._num_prefills - len(self._prefilling)
-        if self._exports and self._exports[0].after <= done:
-            self.runner.wait_exported(self._exports[0].sent)
-        else:
-            self._finish_prefills([self._prefilling.popleft()])
-
     # ---- prefill --------------------------------------------------------------------------
     def _submit_prefills(self, reqs: list[Request], max_batches: int) -> list:
         """Up to max_batches prefill batches submitted back to back (`runner.depth` keeps a
@@ -415,7 +296,7 @@ class Engine:
         never on results, so one device and a pipeline run exactly the same batches."""
         submitted = []
         for _ in range(max_batches):
-            plan = self._plan_prefill(reqs)
+            plan = plan_batch(reqs, self.config.max_batch_tokens)
             if not plan:
                 break
             submitted.append(self._submit_prefill(plan))
@@ -434,7 +315,8 @@ class Engine:
         for i in range(self.runner.depth - len(self._prefilling)):
             if i:
                 self._admit()
-            plan = self._plan_prefill([r for r in self.running if r.phase is Phase.PREFILL])
+            plan = plan_batch([r for r in self.running if r.phase is Phase.PREFILL],
+                              self.config.max_batch_tokens)
             if not plan:
                 return
             self._prefilling.append(self._submit_prefill(plan))
@@ -442,17 +324,6 @@ class Engine:
     def _finish_prefills(self, submitted: list) -> None:
         for plan, batch, want_all, handle in submitted:
             self._finish_prefill(plan, batch, want_all, self.runner.wait(handle))
-
-    def _plan_prefill(self, reqs: list[Request]) -> list[tuple[Request, int]]:
-        plan, budget = [], self.config.max_batch_tokens
-        for r in reqs:
-            start = r.num_computed
-            stop = next((c for c in r.cuts if c > start), len(r.prompt_token_ids))
-            n = min(stop - start, budget)
-            if n > 0:
-                plan.append((r, n))
-                budget -= n
-        return plan
 
     def _submit_prefill(self, plan):
         ids = [t for r, n in plan for t in r.prompt_token_ids[r.num_computed : r.num_computed + n]]

@@ -19,6 +19,7 @@ import dataclasses
 import torch
 
 from k3batch.cache.layout import CacheLayout
+from k3batch.cache.manager import CacheManager
 from k3batch.cache.paged import PagedCache
 from k3batch.engine.config import CPU_MAX_NUM_SEQS, EngineConfig
 from k3batch.engine.graphs import DecodeGraphs, fill_fed
@@ -28,6 +29,25 @@ from k3batch.model.forward_batch import ForwardBatch
 GPU_MEMORY_FRACTION = 0.9  # of a GPU for weights + workspace + arena, when the config sets none
 GPU_SLACK_BYTES = 2 * 2**30  # beyond the measured workspace: graph pools, allocator slack
 MAX_AUTO_SEQS = 256  # max_num_seqs sized from the arena stops here (decode graph buckets)
+SCRATCH = "\0scratch"  # the request of padded decode batches' dummy rows (`Engine._decode`)
+
+
+def memory_account(runner, config: EngineConfig, prefix_cache: bool) -> CacheManager:
+    """The memory account of a runner's arenas (the engine's; a decode group has its own). A
+    runner that pads decode batches gets the scratch request (one block, one page) that its
+    padding rows use."""
+    static = config.memory_pool == "static"
+    pads = getattr(runner, "pads_decode", False)
+    pool = CacheManager(
+        runner.cache_specs(),
+        page_size=config.page_size,
+        static_blocks=config.max_num_seqs + pads if static else None,
+        prefix_cache=prefix_cache,
+        dcp_size=runner.dcp_size,
+    )
+    if pads and pool.admit(SCRATCH, [], 1) is None:
+        raise ValueError("the cache pool has no room for the scratch rows of decode batches")
+    return pool
 GPU_GROUP_SEQS = 64  # max_num_seqs of a replica of actors on GPUs, when the config sets none
 
 

@@ -1,4 +1,4 @@
-"""The disaggregated engine's handoff in two halves (`Engine._handoff`), on one process: a
+"""The disaggregated engine's handoff in two halves (`engine/handoff.py`), on one process: a
 prefill runner and a decode runner that are LocalRunners with caches of their own (k3-mini,
 fp32, CPU), the export a copy of the request's cache and the import a write of it, and an
 export that reports itself unfinished (`exported`) for `hold` checks, as a stage with prefill
@@ -69,7 +69,7 @@ class DecodeSide(LocalRunner):
         self.imports += 1
 
     def submit(self, ids, batch, all_logits, feed=None):
-        self.steps.append(len(self.engine._exports))
+        self.steps.append(len(self.engine.handoff.exports))
         return super().submit(ids, batch, all_logits, feed)
 
 
@@ -93,13 +93,13 @@ def _run(engine, prompts, sampling=GREEDY) -> dict:
     out, pending = {}, set()
     while engine.has_unfinished():
         out |= {r.request_id: r.output_token_ids for r in engine.step()}
-        exporting = {e.req for e in engine._exports}
+        exporting = {e.req for e in engine.handoff.exports}
         assert all(r.phase is Phase.HANDOFF for r in exporting)
         assert not any(engine.pool.holds(r.request_id) for r in exporting)
         prefill_side = [r for r in engine.running if engine.pool.holds(r.request_id)]
         decode_side = [r for r in engine.running if engine.decode_pool.holds(r.request_id)]
         assert engine._num_admitted() == len(prefill_side) <= CFG.max_num_seqs
-        assert engine._num_decoding() == len(decode_side) <= CFG.max_num_seqs
+        assert engine.handoff.num_decoding() == len(decode_side) <= CFG.max_num_seqs
         pending |= {r.request_id for r in exporting}
     return out, pending
 
@@ -151,7 +151,7 @@ def test_nothing_else_to_do_blocks_on_the_oldest_export(model_factory, reference
 
 def test_decode_pool_full_with_imports_pending(model_factory, reference):
     """A decode arena of 2.2 requests of max_seq_len: decode steps run out of pages
-    while exports are held; the pending imports are taken in first (`_import_exports(flush)`),
+    while exports are held; the pending imports are taken in first (`Handoff.import_ready(flush)`),
     retraction picks among every request holding decode memory, and the tokens stay those of
     one device."""
     model = model_factory("k3-mini")
@@ -160,8 +160,8 @@ def test_decode_pool_full_with_imports_pending(model_factory, reference):
     prompts = _prompts([30, 28, 26, 24, 22], seed=3)
     longer = dataclasses.replace(GREEDY, max_new_tokens=30)
     engine = _pair(model, hold=3, decode_cfg=small)
-    flushes, imports = [], engine._import_exports
-    engine._import_exports = lambda flush=False: flushes.append(flush) or imports(flush)
+    flushes, imports = [], engine.handoff.import_ready
+    engine.handoff.import_ready = lambda flush=False: flushes.append(flush) or imports(flush)
     out, _ = _run(engine, prompts, longer)
     assert [out[str(i)] for i in range(len(prompts))] == reference(prompts, longer)
     assert engine.decode_pool.stats.retracted > 0 and True in flushes
