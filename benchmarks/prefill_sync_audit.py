@@ -341,7 +341,7 @@ def install_hooks():
 def use_gpu_paths(model):
     """The kernel choices the model makes on CUDA, taken on the CPU (under the interpreter)."""
     from k3kernels.attn_res.mix import attn_res_mix as fused_mix
-    from k3kernels.moe.act import gated_act as fused_act
+    from k3kernels.moe.act import moe_act
     from k3kernels.moe.experts import fused_experts
     from k3kernels.moe.route import route
     from k3kernels.norm.rms_norm import rms_norm as fused_norm
@@ -352,8 +352,9 @@ def use_gpu_paths(model):
     for m in model.modules():
         if isinstance(m, layers.nn.Module) and getattr(m, "backend", None) == "auto":
             m.backend = "triton"  # MLA: the Triton prefill kernel
-    layers.rms_norm = lambda x, w, eps: fused_norm(x, w, eps)
-    layers.gated_act = lambda g, u, act, beta=4.0, lb=25.0: fused_act(g, u, act, beta, lb)
+    layers.rms_norm = lambda x, w, eps, residual=None: fused_norm(x, w, eps, residual=residual)
+    layers.gated_act = lambda h, act, beta=4.0, lb=25.0: moe_act(
+        h.reshape(-1, h.shape[-1]), act, beta, lb).view(*h.shape[:-1], -1)
     attn_res.attn_res_mix = lambda c, q, w, eps: fused_mix(c, q, w, eps)
     moe.fused_experts = functools.partial(fused_experts, use_triton=True)
     for m in model.modules():

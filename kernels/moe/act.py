@@ -1,7 +1,7 @@
 """Fused gated activation: one pass over the gate and up GEMM outputs.
 
-`moe_act`: the experts' h [M, 2 I] holds gate columns [0, I) and up columns [I, 2 I) (w13 =
-[w1; w3]). `gated_act`: separate gate and up tensors (the dense FFN and the shared experts).
+`moe_act`: h [M, 2 I] holds gate columns [0, I) and up columns [I, 2 I): the experts' (w13 =
+[w1; w3]) and, through `model.layers.FusedRows`, the dense FFN's and the shared experts'.
 One Triton program computes a BLOCK_I slice of BLOCK_M rows in fp32 and stores it in the output
 dtype: SiTU (K3) beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta), or SwiGLU
 silu(g) * u, with one reciprocal an element (`_gated`). On one H200, SiTU at 16,384 x 3,072 bf16
@@ -79,20 +79,6 @@ def gated_act_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_part, str
     y = _gated(g, u, beta, linear_beta, IS_SITU, PTX)
     dst = interleaved_column(col) if INTERLEAVE else col
     tl.store(out_ptr + row * stride_out + dst, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def gated_act(gate_MI: torch.Tensor, up_MI: torch.Tensor, act: str, beta: float = 4.0,
-              linear_beta: float = 25.0) -> torch.Tensor:  # fmt: skip
-    """act(gate, up) of two [..., I] tensors of one dtype (the dense FFN and shared experts,
-    whose gate and up projections are separate GEMMs) -> [..., I] in that dtype."""
-    if gate_MI.shape != up_MI.shape or gate_MI.dtype != up_MI.dtype:
-        raise ValueError(f"gate {tuple(gate_MI.shape)} {gate_MI.dtype} and up "
-                         f"{tuple(up_MI.shape)} {up_MI.dtype} differ")  # fmt: skip
-    I = gate_MI.shape[-1]
-    g, u = gate_MI.reshape(-1, I), up_MI.reshape(-1, I)
-    g = g if g.stride(-1) == 1 else g.contiguous()
-    u = u if u.stride(-1) == 1 else u.contiguous()
-    return _launch(g, u, act, beta, linear_beta).view(gate_MI.shape)
 
 
 def moe_act(h_MF: torch.Tensor, act: str, beta: float = 4.0, linear_beta: float = 25.0,
