@@ -91,8 +91,21 @@ class Arena:
     def free_block(self, handle: int) -> list[Move]:
         return _free(handle, self.blocks, self.block_idx, "block")
 
-    def free_page(self, handle: int) -> list[Move]:
-        return _free(handle, self.pages, self.page_idx, "page")
+    def free_pages(self, handles) -> list[Move]:
+        """Free several pages at once: the live pages above the new end fill the holes below
+        it, each copied once (freed one by one, the last page filled each hole in turn and a
+        page could move again and again)."""
+        holes = sorted(self.page_idx.pop(h) for h in handles)
+        end = len(self.pages) - len(holes)
+        freed = set(holes)
+        movers = [i for i in range(end, len(self.pages)) if i not in freed]
+        moves = []
+        for src, dst in zip(movers, holes):  # the holes below end, as many as the movers
+            h = self.pages[dst] = self.pages[src]
+            self.page_idx[h] = dst
+            moves.append(Move("page", src, dst))
+        del self.pages[end:]
+        return moves
 
     def check_integrity(self) -> None:
         """Both ends packed (indices 0..n-1), maps consistent, every arena within its bytes."""

@@ -166,8 +166,7 @@ class CacheManager:
             holders.discard(rid)
             if not holders:
                 del self._holders[h]
-        for h in own.pages:
-            self._unref_page(h)
+        self._unref_pages(own.pages)
         if own.node is not None:
             self.tree.unlock(own.node)
 
@@ -202,8 +201,7 @@ class CacheManager:
             if victim is None:
                 return False
             pages, checkpoint = victim
-            for h in pages:
-                self._unref_page(h)
+            self._unref_pages(pages)
             if checkpoint is not None:
                 self._free_block(checkpoint)
             self.stats.evicted_nodes += 1
@@ -228,15 +226,20 @@ class CacheManager:
     def _free_block(self, h: int) -> None:
         self._moves += self.arena.free_block(h)
 
-    def _unref_page(self, h: int) -> None:
-        self._page_refs[h] -= 1
-        if self._page_refs[h] == 0:
-            del self._page_refs[h]
-            moves = self.arena.free_page(h)
-            for m in moves:  # the arena's last page moved into the hole: its holders' rows
-                for rid in self._holders.get(self.arena.pages[m.dst], ()):
-                    self._owned[rid].rows = None
-            self._moves += moves
+    def _unref_pages(self, handles) -> None:
+        """Drop a reference to each page; those left unreferenced leave the arena together
+        (`Arena.free_pages`: each page that stays is copied at most once)."""
+        freed = []
+        for h in handles:
+            self._page_refs[h] -= 1
+            if self._page_refs[h] == 0:
+                del self._page_refs[h]
+                freed.append(h)
+        moves = self.arena.free_pages(freed)
+        for m in moves:  # pages moved into the holes: their holders' rows
+            for rid in self._holders.get(self.arena.pages[m.dst], ()):
+                self._owned[rid].rows = None
+        self._moves += moves
 
     def _note_peak(self) -> None:
         used = self.arena.used_bytes()

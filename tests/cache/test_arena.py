@@ -80,7 +80,7 @@ def _free_and_follow(arena: Arena, mirror: dict, kind: str, handle: int):
     replay them on the mirror. Returns the moves."""
     index = mirror[kind]
     hole, last = index.pop(handle), len(index)
-    moves = arena.free_block(handle) if kind == "block" else arena.free_page(handle)
+    moves = arena.free_block(handle) if kind == "block" else arena.free_pages([handle])
     assert moves == ([] if hole == last else [(kind, last, hole)])
     for _, src, dst in moves:
         (moved,) = [h for h, i in index.items() if i == src]
@@ -250,7 +250,7 @@ def test_paged_apply_in_a_stage_without_mla_layers():
     arena = Arena([kda_only.spec, mixed.spec])
     for h in range(3):
         arena.alloc_page(h)
-    moves = arena.free_page(0)  # [Move("page", 2, 0)]
+    moves = arena.free_pages([0])  # [Move("page", 2, 0)]
     mixed.apply(moves)
     kda_only.apply(moves)  # page_bytes == 0: nothing to copy
 
@@ -392,4 +392,25 @@ def test_manager_admit_when_its_own_hit_is_in_the_way():
     mgr.release("a")  # nothing runs; the tree holds 1100 of 2500 bytes
     b = a[:4] + list(range(20, 44))  # the hit needs 1000 + 600 more bytes, a miss 1000 + 700
     assert mgr.admit("b", b, len(b), points=[4, 8, 12]) == 0
+    mgr.check_integrity()
+
+
+def test_manager_release_copies_only_pages_that_stay():
+    """Releasing a request copies only the live pages above where the packed pages end after
+    it: none when its pages are the arena's last, one a live page in the way otherwise (freed
+    lowest first, half of a lone request's own pages were copied into its own holes)."""
+    spec = ArenaSpec(total_bytes=10**6, block_bytes=1000, page_bytes=100)
+    mgr = CacheManager([spec], page_size=4)
+    mgr.admit("a", [], 4 * 20)
+    mgr.drain()
+    mgr.release("a")
+    assert mgr.drain() == []
+    mgr.admit("a", [], 4 * 10)  # pages 0-9
+    mgr.admit("b", [], 4 * 3)  # pages 10-12
+    mgr.grow("a", 4 * 12)  # pages 13-14
+    mgr.drain()
+    mgr.release("a")
+    moves = [m for m in mgr.drain() if m.kind == "page"]
+    assert [(m.src, m.dst) for m in moves] == [(10, 0), (11, 1), (12, 2)]
+    assert mgr.pages_of("b") == [0, 1, 2]
     mgr.check_integrity()
