@@ -3,17 +3,21 @@
 #   bash benchmarks/kimi_linear_job_gpu.sh [SECONDS] [tests,diag,tune,job,job-warm]
 # diag: benchmarks/prefill_host_gpu.py on an 8K prefill (host enqueue vs GPU time, and syncs);
 # tests: the GPU kernel tests at Kimi Linear's shapes against their fp32 references;
-# tune: `bench moe --sweep --save-tuned` at its prefill (8,192 tokens) and decode (16 and 256)
-#   expert shapes, bf16 and MXFP4, then MLA decode/prefill and KDA decode at its 32 heads, into
+# tune: `bench moe --sweep --save-tuned` at its bf16 prefill (8,192 tokens) and decode (16 and
+#   256) expert shapes, MLA prefill/decode and KDA decode at its 32 heads, then MXFP4's, into
 #   this GPU's tuned tables (the ones written, copied to $OUT/tuned_<op>_<GPU>.json: copy them
 #   back to kernels/<op>/tuned/<GPU>.json);
-# job: `bench job --flavor kimi-linear --experts mxfp4` at 1,024 prompts of 1K in / 256 out
-#   (cold: checkpoint written, Triton cache as carried), then job-warm: the same job again with
-#   the checkpoint and the compiled kernels in place (no engine-alone run).
+# job: `bench job --flavor kimi-linear` at 1,024 prompts of 1K in / 256 out, bf16 experts on a
+#   GPU of 120 GiB or more (an H200: the public checkpoint's dtype), else MXFP4 (cold: checkpoint
+#   written, Triton cache as carried), then job-warm: the same job again with the checkpoint and
+#   the compiled kernels in place (no engine-alone run). diag runs the same expert dtype.
 set -u
 budget=${1:-570}
 parts=${2:-tests,diag,tune,job,job-warm}
 t0=$SECONDS
+experts=mxfp4
+[ "$(python3 -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)')" -ge 120 ] \
+  && experts=bf16
 left() { echo $((budget - (SECONDS - t0))); }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ $parts == *tests* ]]; then
@@ -25,26 +29,29 @@ fi
 if [[ $parts == *diag* ]]; then
   echo "=== diag ($(left) s left)"
   for args in "--tokens 8192" "--tokens 8192 --seqs 8"; do
-    timeout 120 python3 benchmarks/prefill_host_gpu.py --flavor kimi-linear --experts mxfp4 $args \
+    timeout 120 python3 benchmarks/prefill_host_gpu.py --flavor kimi-linear --experts $experts $args \
       2>&1 | grep -v Warning
   done 2>&1 | tee "$OUT/prefill_host_gpu.txt"
 fi
 if [[ $parts == *tune* ]]; then
-  for row in "bf16 8192" "bf16 256" "bf16 16" "mxfp4 8192" "mxfp4 256" "mxfp4 16"; do
-    read -r dtype tokens <<<"$row"
-    [ "$(left)" -lt 90 ] && { echo "skipped (time): tune $row"; continue; }
+  # bf16 experts' shapes, then attention's, then MXFP4's (the H100's format), while time lasts
+  for row in "moe bf16 8192" "moe bf16 256" "moe bf16 16" \
+             "mla-prefill --heads 32 --seq-lens 8192" \
+             "mla-decode --heads 32 --page-size 16 --batch 1,16,64,256 --context-len 8192,1024,1024,1024" \
+             "kda-decode --heads 32 --batch 1,16,64,256 --no-fla" \
+             "moe mxfp4 8192" "moe mxfp4 256" "moe mxfp4 16"; do
+    [ "$(left)" -lt 60 ] && { echo "skipped (time): tune $row"; continue; }
     echo "=== tune $row ($(left) s left)"
-    timeout 120 python3 -m k3batch.cli bench moe --flavor kimi-linear --layers 2 --tokens "$tokens" \
-      --expert-dtype "$dtype" --repeats 5 --rounds 2 --sweep --save-tuned \
-      --json "$OUT/moe_kimi_linear_sweep.jsonl" 2>&1 | grep -v Warning | tail -8
-  done 2>&1 | tee -a "$OUT/moe_kimi_linear_tune.txt"
-  for sweep in "mla-decode --heads 32 --page-size 16 --batch 1,16,64,256 --context-len 8192,1024,1024,1024" \
-               "mla-prefill --heads 32 --seq-lens 8192" "kda-decode --heads 32 --batch 1,16,64,256 --no-fla"; do
-    [ "$(left)" -lt 60 ] && { echo "skipped (time): $sweep"; continue; }
-    echo "=== sweep $sweep ($(left) s left)"
-    timeout 110 python3 -m k3batch.cli bench $sweep --sweep --save-tuned \
-      --json "$OUT/kernel_sweeps_kimi_linear.jsonl" 2>&1 | grep -v Warning | tail -3
-  done 2>&1 | tee -a "$OUT/moe_kimi_linear_tune.txt"
+    if [[ $row == moe* ]]; then
+      read -r _ dtype tokens <<<"$row"
+      timeout 120 python3 -m k3batch.cli bench moe --flavor kimi-linear --layers 2 \
+        --tokens "$tokens" --expert-dtype "$dtype" --repeats 5 --rounds 2 --sweep --save-tuned \
+        --json /tmp/moe_kimi_linear_sweep.jsonl 2>&1 | grep -v Warning | tail -8
+    else
+      timeout 110 python3 -m k3batch.cli bench $row --sweep --save-tuned \
+        --json /tmp/kernel_sweeps_kimi_linear.jsonl 2>&1 | grep -v Warning | tail -3
+    fi
+  done 2>&1 | tee -a "$OUT/kimi_linear_tune.txt"
   # one file per op, only the tables this call wrote (the device returns a few files only;
   # the tables share the GPU's file name)
   for op in moe mla kda; do
@@ -58,7 +65,7 @@ for part in job job-warm; do
   [ "$(left)" -lt 120 ] && { echo "skipped (time): $part"; continue; }
   extra=""; [ $part = job-warm ] && extra="--no-engine"
   echo "=== $part ($(left) s left)"
-  timeout $(left) python3 -m k3batch.cli bench job --flavor kimi-linear --experts mxfp4 \
+  timeout $(left) python3 -m k3batch.cli bench job --flavor kimi-linear --experts $experts \
     --device cuda --work-dir /tmp/kl-job --num-prompts 1024 --input-len 1024 --output-len 256 \
     $extra --json "$OUT/job_kimi_linear.jsonl" 2>&1 | grep -v Warning | tail -12
 done 2>&1 | tee -a "$OUT/job_kimi_linear.txt"
