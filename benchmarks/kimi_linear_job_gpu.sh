@@ -7,10 +7,11 @@
 #   256) expert shapes, MLA prefill/decode and KDA decode at its 32 heads, then MXFP4's, into
 #   this GPU's tuned tables (the ones written, copied to $OUT/tuned_<op>_<GPU>.json: copy them
 #   back to kernels/<op>/tuned/<GPU>.json);
-# job: `bench job --flavor kimi-linear` at 1,024 prompts of 1K in / 256 out, bf16 experts on a
-#   GPU of 120 GiB or more (an H200: the public checkpoint's dtype), else MXFP4 (cold: checkpoint
-#   written, Triton cache as carried), then job-warm: the same job again with the checkpoint and
-#   the compiled kernels in place (no engine-alone run). diag runs the same expert dtype.
+# job: `bench job --flavor kimi-linear --experts mxfp4` at 1,024 prompts of 1K in / 256 out
+#   (cold: checkpoint written, Triton cache as carried; the bf16 checkpoint, 98 GB, does not fit
+#   the lent machine's 64 GiB disk), then job-warm: the same job again with the checkpoint and
+#   the compiled kernels in place (no engine-alone run).
+# diag runs bf16 experts on a GPU of 120 GiB or more (an H200), else MXFP4.
 set -u
 budget=${1:-570}
 parts=${2:-tests,diag,tune,job,job-warm}
@@ -65,7 +66,7 @@ for part in job job-warm; do
   [ "$(left)" -lt 120 ] && { echo "skipped (time): $part"; continue; }
   extra=""; [ $part = job-warm ] && extra="--no-engine"
   echo "=== $part ($(left) s left)"
-  timeout $(left) python3 -m k3batch.cli bench job --flavor kimi-linear --experts $experts \
+  timeout $(left) python3 -m k3batch.cli bench job --flavor kimi-linear --experts mxfp4 \
     --device cuda --work-dir /tmp/kl-job --num-prompts 1024 --input-len 1024 --output-len 256 \
     $extra --json "$OUT/job_kimi_linear.jsonl" 2>&1 | grep -v Warning | tail -12
 done 2>&1 | tee -a "$OUT/job_kimi_linear.txt"
