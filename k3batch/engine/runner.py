@@ -100,7 +100,8 @@ def measure_workspace(model, config: EngineConfig, layout: CacheLayout) -> int:
     (one H200, k3-slice, 1,024 prompts of 1,024 tokens with only the lone continuation: the
     first run's prefill steps took 76 s, 24.6 s once Triton's cache held them). Compiled
     kernels and fla's tuning results persist in Triton's cache directory, so a restarted
-    replica compiles nothing either."""
+    replica compiles nothing either. Then `model.warm_up`: what fla tunes by token count
+    (its norms), for every size up to max_batch_tokens."""
     dev, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     tokens, chunk = config.batch_tokens(True), config.chunk_size
     lens = [chunk] * (tokens // chunk) + ([tokens % chunk] if tokens % chunk else [])
@@ -120,6 +121,7 @@ def measure_workspace(model, config: EngineConfig, layout: CacheLayout) -> int:
         for batch in (first, *tails):
             ids = torch.zeros(batch.num_tokens, dtype=torch.long, device=dev)
             model.forward_batch(ids, batch, scratch)
+        model.warm_up(tokens)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
     del scratch

@@ -125,6 +125,13 @@ class K3Model(nn.Module):
                 m.backend = "torch" if backend == "torch" else "auto"
         return self
 
+    def warm_up(self, max_tokens: int) -> None:
+        """Tune ahead what the kernels tune by batch size, for batches of up to max_tokens
+        tokens (the KDA layers share one shape: the first one's)."""
+        kda = next((m for m in self.modules() if isinstance(m, KimiDeltaAttention)), None)
+        if kda is not None:
+            kda.warm_up(max_tokens)
+
     def embed(self, input_ids_T) -> Stream:
         e = self.model.embed_tokens(input_ids_T)
         return Stream(partial=e)  # b_0 is banked by layer 0

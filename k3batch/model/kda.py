@@ -98,6 +98,13 @@ class KimiDeltaAttention(nn.Module):
         )
         return self.o_proj(y.reshape(T, H * K))
 
+    def warm_up(self, max_tokens: int) -> None:
+        """Tune ahead whatever the backend tunes by token count, for batches of up to
+        max_tokens tokens (`ops.warm_up`)."""
+        w = self.o_norm.weight
+        ops.warm_up(max_tokens * self.num_heads, self.head_dim, w.dtype, w.device,
+                    backend=self.backend)  # fmt: skip
+
     def _prefill(self, qkv, conv_3CW, f, b, batch, cache, gate):
         """Chunks of whole sequences. With a cache, in place: each sequence continues from the
         conv and recurrent states in its KDA block if it has a cached prefix (from zeros

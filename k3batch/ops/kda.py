@@ -79,6 +79,13 @@ def gated_rms_norm(o, z, weight, eps: float, *, backend: str):
     return reference.gated_rms_norm(o, z, weight, eps)
 
 
+def warm_up(max_rows: int, dim: int, dtype, device, *, backend: str) -> None:
+    """Tune ahead what the backend tunes by batch size, for up to max_rows rows (tokens x
+    heads) of width dim: fla's norms (`tune_norm_buckets`); nothing for torch."""
+    if backend == "fla":
+        _fla().tune_norm_buckets(max_rows, dim, dtype, device)
+
+
 def kda_decode_(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, state_pool, slots, backend):
     """One step per sequence in place on the cache: state_pool [NB, H, K, V] fp32, slots [N]
     device indices. Returns o [N, H, V]."""
