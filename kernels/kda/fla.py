@@ -197,8 +197,9 @@ NORM_BUCKET_ROWS = 2048 * 32
 def tune_norm_buckets(max_rows: int, dim: int, dtype, device) -> None:
     """Run fla's two norms once at each of their buckets up to max_rows rows of width dim, in
     dtype (autotuning is keyed on the argument dtypes too), so that later batches find them
-    tuned. Unwarmed, the first prefill steps of 6,016 and 2,176 tokens (NB 3 and 2 at Kimi
-    Linear's 32 heads) took 2.7 s in a cold one-H100 job, 6% of its output rate."""
+    tuned. A cold one-H100 Kimi Linear job lost 2.7 s (6% of its output rate) in one prefill
+    step where its first steps of 6,016 and 2,176 tokens reached buckets 3 and 2 (32 heads),
+    which the warm-up's forwards (8,192 and a few hundred tokens) did not."""
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
     from fla.modules.norm.l2norm import l2norm_fwd
 
