@@ -198,8 +198,9 @@ def tune_norm_buckets(max_rows: int, dim: int, dtype, device) -> None:
     """Run fla's two norms once at each of their buckets up to max_rows rows of width dim, in
     dtype (autotuning is keyed on the argument dtypes too), so that later batches find them
     tuned. A cold one-H100 Kimi Linear job lost 2.7 s (6% of its output rate) in one prefill
-    step where its first steps of 6,016 and 2,176 tokens reached buckets 3 and 2 (32 heads),
-    which the warm-up's forwards (8,192 and a few hundred tokens) did not."""
+    step, at the end of its first wave of prompts, where by the batch plan its first steps
+    under 8,192 tokens reach buckets 3 and 2 (32 heads), which the warm-up's forwards (8,192
+    and a few hundred tokens) do not; the same job warm had no such step."""
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
     from fla.modules.norm.l2norm import l2norm_fwd
 
