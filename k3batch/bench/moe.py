@@ -92,8 +92,9 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
     bf16 "experts" / "gemm" rows of the same weights' dequantized values. Each row's "ms" is
     the median of `rounds` times ("ms_rounds"), each the median of `repeats` calls, the rows
     taken in turn in each round. sweep: also the Triton GEMM of that format over
-    `sweep_configs` (rows named "<impl> <config json>"); the best goes into the GPU's tuned
-    table (`k3kernels/moe/tuned/`). profile: the row of the pass the model runs
+    `sweep_configs` (rows named "<impl> <config json>"; bf16 rows time the gate-up GEMM's
+    gather too, by index_select or in the GEMM: `gemm_swept`); the best goes into the GPU's
+    tuned table (`k3kernels/moe/tuned/`). profile: the row of the pass the model runs
     ("experts-mxfp4", else "experts-triton") also gets "profile", its kernels' GPU time over
     PROFILED_PASSES eager passes (`k3batch.bench.engine.profile_ops`). clocks: each CUDA-graph row
     also gets the SM clock and board power it ran at (`sustained_clock`, 3 s a row)."""
@@ -120,12 +121,13 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
     # Each GEMM row runs on the values the pass would give it: x's sorted rows, and the
     # activation of the gate-up GEMM's output (zeros, as an uninitialized buffer may hold, made
     # the same GEMMs ~15% faster on the H200: the tensor cores' power depends on the data).
-    sorted_rows = []
+    sorted_rows, slot_tokens = [], []
     for x, w13, w2, ids, _ in layers:
         order = sort_slots(ids, config.num_experts)
         xs = x.index_select(0, order.token_M)
         h = moe_act(grouped_mm(xs, w13, order.offs_E), kw["act"], kw["beta"], kw["linear_beta"])
         sorted_rows.append((xs, h, order.offs_E))
+        slot_tokens.append(order.token_M)
 
     def experts(use_triton, impl="torch"):
         def run():
@@ -134,12 +136,28 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
 
         return run
 
-    def gemm_only(impl="torch", cfg=None):
-        gemm = partial(grouped_mm_triton, **(cfg or {})) if impl == "triton" else grouped_mm
+    def gemm_only(impl="torch"):
+        gemm = grouped_mm_triton if impl == "triton" else grouped_mm
 
         def run():
             for (x, w13, w2, _, _), (xs, h, offs) in zip(layers, sorted_rows):
                 gemm(xs, w13, offs)
+                gemm(h, w2, offs)
+
+        return run
+
+    def gemm_swept(cfg):
+        """A swept bf16 launch as the pass runs it: the gate-up GEMM's rows gathered first
+        (index_select) or, with "gather", read by index in the GEMM, then both GEMMs; so the
+        two ways compare, each with its gather."""
+        gemm = partial(grouped_mm_triton, **{k: v for k, v in cfg.items() if k != "gather"})
+
+        def run():
+            for (x, w13, w2, _, _), (_, h, offs), tok in zip(layers, sorted_rows, slot_tokens):
+                if cfg.get("gather"):
+                    gemm(x, w13, offs, tok)
+                else:
+                    gemm(x.index_select(0, tok), w13, offs)
                 gemm(h, w2, offs)
 
         return run
@@ -165,7 +183,7 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
         if cfg:
             gemm, interleaved = partial(grouped_mm_mxfp4, **cfg), False
         else:
-            gemm, interleaved = pick_gemm(*packed[0], num_tokens * k, layers[0][0], impl)
+            gemm, interleaved, _ = pick_gemm(*packed[0], num_tokens * k, layers[0][0], impl)
         rows = [(gather_interleaved(xs), gather_interleaved(h), offs) if interleaved
                 else (xs, h, offs) for xs, h, offs in sorted_rows]  # fmt: skip
 
@@ -215,7 +233,7 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
                  ("gemm-mxfp4-triton", gemm_mxfp4("triton")),
                  *(row for row in impls if row[0] in beside)]  # fmt: skip
     if sweep:  # the Triton kernel of this weight format over launch configs, as "<impl> {cfg}"
-        gemm = gemm_mxfp4 if expert_dtype == "mxfp4" else partial(gemm_only, impl="triton")
+        gemm = gemm_mxfp4 if expert_dtype == "mxfp4" else gemm_swept
         name = "gemm-mxfp4" if expert_dtype == "mxfp4" else "gemm-triton"
         impls += [(f"{name} {json.dumps(cfg)}", gemm(cfg=cfg))
                   for cfg in sweep_configs(regime(num_tokens * k, config.num_experts) == "decode",
@@ -324,10 +342,14 @@ def sweep_configs(decode: bool, bf16: bool = False) -> list[dict]:
         return [dict(zip(tail_keys, (bm, bt, 128, 128, 4, 3))) for bm, bt in rows]
     # bf16: 128-input steps (3 stages at most) took 16.5 ms against 15.5-16.2 (fab7054); a
     # 16-row tail 1.21x the best (k3-slice prefill)
+    # gather: the gate-up GEMM reads its rows of x by index (pointer loads, not TMA) instead of
+    # from an index_select copy: tried with the row splits that cover Kimi Linear's 256 rows
+    # an expert and k3-slice's ~146
     tiles = ((128, 4, 3), (128, 8, 3), (256, 8, 4))  # (block_n, num_warps, num_stages)
     configs = [dict(zip(tail_keys, (128, bt, bn, 64, nw, ns)))
                for bt, (bn, nw, ns) in itertools.product((0, 32, 64), tiles)]  # fmt: skip
-    return configs + [
+    gathered = [c | {"gather": True} for c in configs if c["block_t"]]
+    return configs + gathered + [
         dict(block_m=64, block_t=32, block_n=128, block_k=64, num_warps=4, num_stages=3)]
 
 

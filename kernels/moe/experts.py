@@ -4,8 +4,9 @@ model, pipeline stages and expert-parallel ranks (`first_expert` and the local e
 
 Steps: `sort_slots` orders the T k token slots by expert (with Triton, the counting sorts of
 `route.py`); the slots' input rows are gathered
-([M, D], M = T k); one grouped GEMM with the fused gate-up weights w13 [E, 2 I, D] gives
-[M, 2 I]; `moe_act` gives [M, I]; a grouped GEMM with w2 [E, D, I] gives [M, D]; `moe_combine`
+([M, D], M = T k), or read by index in the next GEMM where its tuned launch says so
+(`grouped_gemm_triton.gathers`); one grouped GEMM with the fused gate-up weights w13
+[E, 2 I, D] gives [M, 2 I]; `moe_act` gives [M, I]; a grouped GEMM with w2 [E, D, I] gives [M, D]; `moe_combine`
 sums each token's k rows times its router weights in fp32 (and may cast the sum and add the
 shared expert's output in the same pass). For the Gluon W4A16 decode kernel
 the gather and `moe_act` write their rows in its column order (`k3kernels.moe.interleave`),
@@ -60,7 +61,7 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
     if isinstance(w13_EFD, MXFP4Weight) and (not use_triton or gemm_impl == "torch"):
         # the reference path
         w13_EFD, w2_EDI = w13_EFD.dequantize(x_TD.dtype), w2_EDI.dequantize(x_TD.dtype)
-    gemm, interleave = pick_gemm(w13_EFD, w2_EDI, ids_Tk.numel(), x_TD, gemm_impl)
+    gemm, interleave, gather = pick_gemm(w13_EFD, w2_EDI, ids_Tk.numel(), x_TD, gemm_impl)
     T = x_TD.shape[0]
     if T == 0:
         return torch.zeros(0, w2_EDI.shape[1], dtype=out_dtype, device=x_TD.device)
@@ -70,13 +71,16 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
 
         sort = route.sort_slots
     order = sort(ids_Tk, w13_EFD.shape[0], first_expert)
-    if interleave:  # the Gluon decode kernel's column order, written by the gather and act
-        from k3kernels.moe.interleave import gather_interleaved
-
-        x_MD = gather_interleaved(x_TD, order.token_M)
+    if gather:  # the GEMM reads each slot's row of x itself
+        h_MF = gemm(x_TD, w13_EFD, order.offs_E, order.token_M)
     else:
-        x_MD = x_TD.index_select(0, order.token_M)
-    h_MF = gemm(x_MD, w13_EFD, order.offs_E)
+        if interleave:  # the Gluon decode kernel's column order, written by the gather and act
+            from k3kernels.moe.interleave import gather_interleaved
+
+            x_MD = gather_interleaved(x_TD, order.token_M)
+        else:
+            x_MD = x_TD.index_select(0, order.token_M)
+        h_MF = gemm(x_MD, w13_EFD, order.offs_E)
     if use_triton:
         from k3kernels.moe.act import moe_act
         from k3kernels.moe.combine import moe_combine
@@ -96,14 +100,15 @@ GEMM_IMPLS = ("auto", "torch", "triton")  # gemm_impl of `fused_experts`
 
 def pick_gemm(w13, w2, num_rows: int, x_TD, gemm_impl: str):
     """(the grouped GEMM of `fused_experts` for these weights, num_rows sorted rows of x's
-    dtype and device and gemm_impl (known), whether it reads its rows interleaved)."""
+    dtype and device and gemm_impl (known), whether it reads its rows interleaved, whether the
+    gate-up GEMM gathers its rows of x itself: `gemm(x_TD, w13, offs, token_M)`)."""
     if isinstance(w13, MXFP4Weight):  # "auto" or "triton" here
         from k3kernels.moe import w4a16_decode as G
         from k3kernels.moe.w4a16 import grouped_mm_mxfp4
 
         if gemm_impl == "auto" and all(G.supported(x_TD, w, num_rows) for w in (w13, w2)):
-            return partial(G.grouped_mm_mxfp4_decode, interleaved=True, parts=None), True
-        return grouped_mm_mxfp4, False
+            return partial(G.grouped_mm_mxfp4_decode, interleaved=True, parts=None), True, False
+        return grouped_mm_mxfp4, False, False
     if gemm_impl == "auto" and not x_TD.is_cuda:  # the CPU path imports no Triton module
         gemm_impl = "torch"
     if gemm_impl == "auto":
@@ -116,7 +121,9 @@ def pick_gemm(w13, w2, num_rows: int, x_TD, gemm_impl: str):
         fast = hopper and tma and (decode or w13.dtype == torch.bfloat16)
         gemm_impl = "triton" if fast else "torch"
     if gemm_impl == "triton":
-        from k3kernels.moe.grouped_gemm_triton import grouped_mm_triton
+        from k3kernels.moe.grouped_gemm_triton import gathers, grouped_mm_triton
 
-        return grouped_mm_triton, False
-    return grouped_mm, False
+        E, F, D = w13.shape
+        gather = gathers(num_rows, E, F, D, x_TD.dtype)
+        return grouped_mm_triton, False, gather
+    return grouped_mm, False, False

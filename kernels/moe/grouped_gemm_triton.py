@@ -92,30 +92,58 @@ def tile_rows_cols(first, offs_ptr, expert, n_block, N, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _swapped_loop(xa_desc, xb_desc, w_desc, out_ptr, first, end, w_row, cols, col_ok, K,
-                  stride_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_A: tl.constexpr,
-                  ROWS_B: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+def _swapped_loop(xa_desc, xb_desc, w_desc, x_ptr, tok_ptr, stride_x, out_ptr, first, end, w_row,
+                  cols, col_ok, K, stride_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  ROWS_A: tl.constexpr, ROWS_B: tl.constexpr, GATHER: tl.constexpr,
+                  UPCAST: tl.constexpr):  # fmt: skip
     """out[r, cols] = x[r] @ w[cols].T for the rows r below end of [first, first + ROWS_A)
     (x through xa_desc, whose box is ROWS_A rows) and of [first + ROWS_A, + ROWS_B) (xb_desc),
-    as two accumulators [BLOCK_N, rows] sharing each weight tile; a size 0: no such tile."""
+    as two accumulators [BLOCK_N, rows] sharing each weight tile; a size 0: no such tile.
+    GATHER: row r is x's row tok[r] instead, read with pointer loads (x [T, K] at x_ptr)."""
     if ROWS_A > 0:
         acc_a = tl.zeros([BLOCK_N, ROWS_A], dtype=tl.float32)
+        if GATHER:
+            tok_a = _row_tokens(tok_ptr, first, end, ROWS_A)
     if ROWS_B > 0:
         acc_b = tl.zeros([BLOCK_N, ROWS_B], dtype=tl.float32)
+        if GATHER:
+            tok_b = _row_tokens(tok_ptr, first + ROWS_A, end, ROWS_B)
     for k0 in range(0, K, BLOCK_K):
         w = w_desc.load([w_row, k0])  # [BLOCK_N, BLOCK_K]
         if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
             w = w.to(tl.float32)
         if ROWS_A > 0:
-            xa = xa_desc.load([first, k0])
+            if GATHER:
+                xa = _gather_rows(x_ptr, tok_a, stride_x, k0, K, BLOCK_K)
+            else:
+                xa = xa_desc.load([first, k0])
             acc_a += tl.dot(w, tl.trans(xa.to(tl.float32) if UPCAST else xa))
         if ROWS_B > 0:
-            xb = xb_desc.load([first + ROWS_A, k0])
+            if GATHER:
+                xb = _gather_rows(x_ptr, tok_b, stride_x, k0, K, BLOCK_K)
+            else:
+                xb = xb_desc.load([first + ROWS_A, k0])
             acc_b += tl.dot(w, tl.trans(xb.to(tl.float32) if UPCAST else xb))
     if ROWS_A > 0:
         _store_t(out_ptr, acc_a, first, end, cols, col_ok, stride_out, ROWS_A)
     if ROWS_B > 0:
         _store_t(out_ptr, acc_b, first + ROWS_A, end, cols, col_ok, stride_out, ROWS_B)
+
+
+@triton.jit
+def _row_tokens(tok_ptr, first, end, ROWS: tl.constexpr):
+    """x's row of each sorted row [first, first + ROWS) (int64); row 0 past end (read, not
+    stored)."""
+    rows = first + tl.arange(0, ROWS)
+    return tl.load(tok_ptr + rows, mask=rows < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _gather_rows(x_ptr, tok, stride_x, k0, K, BLOCK_K: tl.constexpr):
+    """x[tok, k0 : k0 + BLOCK_K] ([ROWS, BLOCK_K]; zeros past K)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(x_ptr + tok[:, None] * stride_x + ks[None, :], mask=(ks < K)[None, :],
+                   other=0.0)  # fmt: skip
 
 
 @triton.jit
@@ -127,10 +155,10 @@ def _store_t(out_ptr, acc, first, end, cols, col_ok, stride_out, ROWS: tl.conste
 
 
 @triton.jit
-def grouped_gemm_kernel(xa_desc, xb_desc, w_desc, out_ptr, offs_ptr, N, K, stride_out, E,
-                        BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                        UPCAST: tl.constexpr):  # fmt: skip
+def grouped_gemm_kernel(xa_desc, xb_desc, w_desc, x_ptr, tok_ptr, stride_x, out_ptr, offs_ptr, N,
+                        K, stride_out, E, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                        GATHER: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
     expert, first, n_block = program_tile(offs_ptr, E, N, BLOCK_M + BLOCK_T, BLOCK_N, BLOCK_E)
     if expert < E:
         end = tl.minimum(tl.load(offs_ptr + expert), first + BLOCK_M + BLOCK_T)
@@ -139,14 +167,17 @@ def grouped_gemm_kernel(xa_desc, xb_desc, w_desc, out_ptr, offs_ptr, N, K, strid
         w_row = expert * N + n_block * BLOCK_N  # in w viewed as [E N, K]
         rows = end - first
         if BLOCK_T > 0 and rows > BLOCK_M:
-            _swapped_loop(xa_desc, xb_desc, w_desc, out_ptr, first, end, w_row, cols, col_ok,
-                          K, stride_out, BLOCK_N, BLOCK_K, BLOCK_M, BLOCK_T, UPCAST)  # fmt: skip
+            _swapped_loop(xa_desc, xb_desc, w_desc, x_ptr, tok_ptr, stride_x, out_ptr, first, end,
+                          w_row, cols, col_ok, K, stride_out, BLOCK_N, BLOCK_K, BLOCK_M, BLOCK_T,
+                          GATHER, UPCAST)  # fmt: skip
         elif BLOCK_T == 0 or rows > BLOCK_T:
-            _swapped_loop(xa_desc, xb_desc, w_desc, out_ptr, first, end, w_row, cols, col_ok,
-                          K, stride_out, BLOCK_N, BLOCK_K, BLOCK_M, 0, UPCAST)  # fmt: skip
+            _swapped_loop(xa_desc, xb_desc, w_desc, x_ptr, tok_ptr, stride_x, out_ptr, first, end,
+                          w_row, cols, col_ok, K, stride_out, BLOCK_N, BLOCK_K, BLOCK_M, 0,
+                          GATHER, UPCAST)  # fmt: skip
         else:
-            _swapped_loop(xa_desc, xb_desc, w_desc, out_ptr, first, end, w_row, cols, col_ok,
-                          K, stride_out, BLOCK_N, BLOCK_K, 0, BLOCK_T, UPCAST)  # fmt: skip
+            _swapped_loop(xa_desc, xb_desc, w_desc, x_ptr, tok_ptr, stride_x, out_ptr, first, end,
+                          w_row, cols, col_ok, K, stride_out, BLOCK_N, BLOCK_K, 0, BLOCK_T,
+                          GATHER, UPCAST)  # fmt: skip
 
 
 DEFAULT_CONFIGS = {
@@ -213,35 +244,56 @@ def tma_ready(t: torch.Tensor) -> bool:
             and t.data_ptr() % 16 == 0)  # fmt: skip
 
 
-def grouped_mm_triton(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
-                      **config) -> torch.Tensor:  # fmt: skip
+def grouped_mm_triton(x: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
+                      rows_M: torch.Tensor | None = None, **config) -> torch.Tensor:  # fmt: skip
     """out[r] = x[r] @ w[e].T for the rows r of group e; x [M, K], w [E, N, K] (`tma_ready`
     both), offs [E] int32 cumulative group ends. Rows after offs[-1] are left unwritten.
+    rows_M ([M] int, the sorted rows' rows of x): out[r] = x[rows[r]] @ w[e].T instead, x
+    [T, K] (unit last stride) read by pointer loads in the kernel, no gathered copy made.
     config: block_m and block_t (an expert's rows in tiles of block_m + block_t rows, each
     program running the two tiles or one; block_t 0: tiles of block_m), block_n, block_k,
-    num_warps, num_stages (default `launch_config`)."""
+    num_warps, num_stages (default `launch_config`; its "gather" is the caller's choice)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if not (tma_ready(x_MK) and tma_ready(w_ENK)):
-        raise ValueError("grouped_mm_triton reads x and w through TMA: they need unit last "
-                         "strides, row strides of a multiple of 16 bytes, 16-byte aligned data "
-                         "and w's experts one after the other")  # fmt: skip
-    M, K = x_MK.shape
+    gather = rows_M is not None
+    if not (tma_ready(w_ENK) and (x.stride(-1) == 1 if gather else tma_ready(x))):
+        raise ValueError("grouped_mm_triton reads w (and x, unless its rows are gathered) "
+                         "through TMA: they need unit last strides, row strides of a multiple "
+                         "of 16 bytes, 16-byte aligned data and w's experts one after the "
+                         "other")  # fmt: skip
+    M, K = (rows_M.shape[0], x.shape[1]) if gather else x.shape
     E, N, _ = w_ENK.shape
-    weights = "bf16" if x_MK.dtype == torch.bfloat16 else str(x_MK.dtype)
-    cfg = launch_config(M, E, weights, nk=(N, K)) | config
+    cfg = launch_config(M, E, _table(x.dtype), nk=(N, K)) | config
     block_m, block_n, block_k = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     block_t = cfg.get("block_t", 0)
-    out = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    xa_desc = TensorDescriptor.from_tensor(x_MK, [block_m, block_k])
-    xb_desc = TensorDescriptor.from_tensor(x_MK, [block_t, block_k]) if block_t else xa_desc
     w_desc = TensorDescriptor.from_tensor(w_ENK.view(E * N, K), [block_n, block_k])
+    if gather:  # the descriptors' places hold w's, unread
+        xa_desc = xb_desc = w_desc
+    else:
+        xa_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
+        xb_desc = TensorDescriptor.from_tensor(x, [block_t, block_k]) if block_t else xa_desc
     grid = (num_tile_slots(M, E, block_m + block_t) * triton.cdiv(N, block_n),)
-    grouped_gemm_kernel[grid](xa_desc, xb_desc, w_desc, out, offs_E, N, K, out.stride(0), E,
+    grouped_gemm_kernel[grid](xa_desc, xb_desc, w_desc, x, rows_M if gather else offs_E,
+                              x.stride(0), out, offs_E, N, K, out.stride(0), E,
                               BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_N=block_n,
-                              BLOCK_K=block_k, BLOCK_E=block_e(E),
-                              UPCAST=INTERPRETED and x_MK.dtype != torch.float32,
+                              BLOCK_K=block_k, BLOCK_E=block_e(E), GATHER=gather,
+                              UPCAST=INTERPRETED and x.dtype != torch.float32,
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     return out
+
+
+def gathers(num_rows: int, num_experts: int, n: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether the tuned launch of this GEMM (num_rows sorted rows of dtype over num_experts
+    experts, n outputs, k inputs) reads its rows of x by index (`rows_M`) rather than from a
+    gathered copy: the table's "gather", chosen by `bench moe --sweep` against a gather pass
+    and the TMA-read GEMM; off where no entry says (every dtype but bf16)."""
+    cfg = launch_config(num_rows, num_experts, _table(dtype), nk=(n, k))
+    return bool(cfg.get("gather", False))
+
+
+def _table(dtype: torch.dtype) -> str:
+    """The tuned table of a GEMM of rows of dtype: "bf16", or a name no table has."""
+    return "bf16" if dtype == torch.bfloat16 else str(dtype)

@@ -137,6 +137,12 @@ def _check_grouped_mm_triton(device, **blocks):
         out = grouped_mm_triton(xd, wd, offs, **blocks)[:140]
         ref_d = grouped_mm_loop(xd.float(), wd.float(), offs)[:140]  # the cast inputs, in fp32
         assert_close(f"grouped_mm_triton_{dtype}", ref_d, out, rel_rms=tol)
+        # the rows read by index from a [T, K] x (repeated, any order): the same rows' bits
+        rows = torch.randint(0, 61, (150,), generator=g).to(device)
+        x_T = torch.randn(61, 48, generator=g).to(device=device, dtype=dtype)
+        got = grouped_mm_triton(x_T, wd, offs, rows, **blocks)[:140]
+        want = grouped_mm_triton(x_T.index_select(0, rows), wd, offs, **blocks)[:140]
+        assert torch.equal(got, want), f"gathered rows, {dtype}"
     return ref
 
 
@@ -279,6 +285,24 @@ def _interpreted_checks():
     _check_grouped_mm_triton("cpu", block_m=64, block_n=16, block_k=16, block_t=16)
     check_experts(TINY["T33-D32-I24-E8-k2-ep4of8"], torch.float32, "cpu", use_triton=True,
                   gemm_impl="triton")  # fmt: skip
+
+
+def test_fused_experts_gathering_in_the_gemm_interpreted(monkeypatch):
+    """The pass with the gate-up GEMM reading its rows by index (a tuned launch's "gather"),
+    under the interpreter: the reference's result, with no index_select of x."""
+    from k3kernels.moe import grouped_gemm_triton as G
+
+    shape, calls, gemm = TINY["T33-D32-I24-E8-k2-ep4of8"], [], G.grouped_mm_triton
+
+    def spy(x, w, offs, rows_M=None, **config):
+        calls.append((x.shape[0], rows_M is not None))
+        return gemm(x, w, offs, rows_M, **config)
+
+    monkeypatch.setattr(G, "gathers", lambda *a: True)
+    monkeypatch.setattr(G, "grouped_mm_triton", spy)
+    check_experts(shape, torch.float32, "cpu", use_triton=True, gemm_impl="triton")
+    T, k = shape[0], shape[4]
+    assert calls == [(T, True), (T * k, False)]  # x's T rows by index, then the sorted h
 
 
 # ---- GPU: K3-slice shapes ------------------------------------------------------------------
