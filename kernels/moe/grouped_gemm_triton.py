@@ -37,8 +37,14 @@ in steps of 64 rows), 20.7 with TMA. The swapped kernel with pointer loads took 
 decode (64 tokens, ~1 row per expert; block_m 16, block_t 0) it reads the experts' weights at
 4.3-4.6 TB/s (7.4-8.0 ms; a read-only stream; the copy bandwidth is 4.26), as the kernel
 before did (7.47 ms in the same run as a 7.44).
+With `rows_M` (each sorted row's row of an unsorted x [T, K]) the kernel reads x by index,
+with pointer loads, so that the routed pass need not gather x into a sorted copy first (one
+read and one write of [T k, D] a layer, 4.7 ms of Kimi Linear's 8K prefill on an H200); the
+weights still come through TMA. Pointer loads fed the MMA more slowly than TMA before (above),
+so a tuned launch takes it only where `bench moe --sweep` timed it faster than the copy plus
+the TMA-read GEMM ("gather" in the table, read by `gathers`).
 Runs under TRITON_INTERPRET=1 on CPU.
-Shape legend: M sorted rows, K input width, N output width, E experts.
+Shape legend: M sorted rows, K input width, N output width, E experts, T tokens.
 """
 
 from pathlib import Path
