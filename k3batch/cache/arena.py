@@ -83,10 +83,12 @@ class Arena:
             raise MemoryError("no room for a KDA block")
         return _place(handle, self.blocks, self.block_idx)
 
-    def alloc_page(self, handle: int) -> int:
-        if not self.can_fit(num_pages=1):
-            raise MemoryError("no room for an MLA page")
-        return _place(handle, self.pages, self.page_idx)
+    def alloc_pages(self, handles) -> list[int]:
+        """Place pages at the packed end, with one room check for all (none placed, and a
+        MemoryError, unless all fit); returns their indices."""
+        if not self.can_fit(num_pages=len(handles)):
+            raise MemoryError(f"no room for {len(handles)} MLA page(s)")
+        return [_place(h, self.pages, self.page_idx) for h in handles]
 
     def free_block(self, handle: int) -> list[Move]:
         return _free(handle, self.blocks, self.block_idx, "block")

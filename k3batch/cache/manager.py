@@ -214,12 +214,10 @@ class CacheManager:
         return h
 
     def _alloc_pages(self, n: int) -> list[int]:
-        out = []
-        for _ in range(n):
-            h = next(self._handles)
-            self.arena.alloc_page(h)
+        out = [next(self._handles) for _ in range(n)]
+        self.arena.alloc_pages(out)
+        for h in out:
             self._page_refs[h] = 1
-            out.append(h)
         self._note_peak()
         return out
 

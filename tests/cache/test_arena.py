@@ -115,7 +115,7 @@ def test_arena_random_ops_keep_geometry(specs, static_blocks):
             if op.startswith("alloc"):
                 h = next(handles)
                 one = (1, 0) if kind == "block" else (0, 1)
-                alloc = arena.alloc_block if kind == "block" else arena.alloc_page
+                alloc = arena.alloc_block if kind == "block" else _alloc_page(arena)
                 if _fits(specs, static_blocks, nb, np_, *one):
                     mirror[kind][h] = alloc(h)
                     assert mirror[kind][h] == len(mirror[kind]) - 1  # at the packed end
@@ -214,7 +214,7 @@ def test_paged_moves_keep_bytes(stages, static_blocks):
                 if not arena.can_fit(*((1, 0) if kind == "block" else (0, 1))):
                     continue
                 h = next(handles)
-                alloc = arena.alloc_block if kind == "block" else arena.alloc_page
+                alloc = arena.alloc_block if kind == "block" else _alloc_page(arena)
                 mirror[kind][h] = alloc(h)
                 for p in pools:
                     p.write(kind, mirror[kind][h], (kind, h))
@@ -244,12 +244,15 @@ def test_paged_moves_keep_bytes(stages, static_blocks):
                 assert torch.isnan(p.cache.kda_state[lay.kda_layers[0]][nb]).all()
 
 
+def _alloc_page(arena):
+    return lambda h: arena.alloc_pages([h])[0]
+
+
 def test_paged_apply_in_a_stage_without_mla_layers():
     kda_only = PagedCache(_layout(range(3)), 60_000, device="cpu", dtype=torch.bfloat16)
     mixed = PagedCache(_layout(range(3, 8)), 60_000, device="cpu", dtype=torch.bfloat16)
     arena = Arena([kda_only.spec, mixed.spec])
-    for h in range(3):
-        arena.alloc_page(h)
+    arena.alloc_pages(range(3))
     moves = arena.free_pages([0])  # [Move("page", 2, 0)]
     mixed.apply(moves)
     kda_only.apply(moves)  # page_bytes == 0: nothing to copy
