@@ -121,10 +121,11 @@ def measure_workspace(model, config: EngineConfig, layout: CacheLayout) -> int:
         for batch in (first, *tails):
             ids = torch.zeros(batch.num_tokens, dtype=torch.long, device=dev)
             model.forward_batch(ids, batch, scratch)
-        model.warm_up(tokens)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
     del scratch
+    with torch.inference_mode():  # after the peak: its buffers are not a forward's
+        model.warm_up(tokens)
     torch.cuda.empty_cache()
     return peak
 
