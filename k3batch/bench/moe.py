@@ -93,11 +93,12 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
     the median of `rounds` times ("ms_rounds"), each the median of `repeats` calls, the rows
     taken in turn in each round. sweep: also the Triton GEMM of that format over
     `sweep_configs` (rows named "<impl> <config json>"; bf16 rows time the gate-up GEMM's
-    gather too, by index_select or in the GEMM: `gemm_swept`); the best goes into the GPU's
-    tuned table (`k3kernels/moe/tuned/`). profile: the row of the pass the model runs
-    ("experts-mxfp4", else "experts-triton") also gets "profile", its kernels' GPU time over
-    PROFILED_PASSES eager passes (`k3batch.bench.engine.profile_ops`). clocks: each CUDA-graph row
-    also gets the SM clock and board power it ran at (`sustained_clock`, 3 s a row)."""
+    gather and activation too, each in the GEMM or a pass of its own: `gemm_swept`); the best
+    goes into the GPU's tuned table (`k3kernels/moe/tuned/`). profile: the row of the pass the
+    model runs ("experts-mxfp4", else "experts-triton") also gets "profile", its kernels' GPU
+    time over PROFILED_PASSES eager passes (`k3batch.bench.engine.profile_ops`). clocks: each
+    CUDA-graph row also gets the SM clock and board power it ran at (`sustained_clock`, 3 s a
+    row)."""
     if not torch.cuda.is_available():
         raise ValueError("bench moe needs a CUDA device")
     config = get_flavor(flavor)
@@ -147,17 +148,21 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
         return run
 
     def gemm_swept(cfg):
-        """A swept bf16 launch as the pass runs it: the gate-up GEMM's rows gathered first
-        (index_select) or, with "gather", read by index in the GEMM, then both GEMMs; so the
-        two ways compare, each with its gather."""
-        gemm = partial(grouped_mm_triton, **{k: v for k, v in cfg.items() if k != "gather"})
+        """A swept bf16 launch as the pass runs it, from x to the down GEMM's output: the
+        gate-up GEMM's rows gathered first (index_select) or, with "gather", read by index in
+        the GEMM; the activation after it (`moe_act`) or, with "act", in it; then the down
+        GEMM. So each way is timed with the work it leaves to a pass of its own."""
+        fold = {name: cfg.get(name, False) for name in ("gather", "act")}
+        gemm = partial(grouped_mm_triton, **{k: v for k, v in cfg.items() if k not in fold})
 
         def run():
             for (x, w13, w2, _, _), (_, h, offs), tok in zip(layers, sorted_rows, slot_tokens):
-                if cfg.get("gather"):
-                    gemm(x, w13, offs, tok)
+                xs = x if fold["gather"] else x.index_select(0, tok)
+                rows = (xs, w13, offs, tok) if fold["gather"] else (xs, w13, offs)
+                if fold["act"]:
+                    gemm(*rows, **kw)
                 else:
-                    gemm(x.index_select(0, tok), w13, offs)
+                    moe_act(gemm(*rows), kw["act"], kw["beta"], kw["linear_beta"])
                 gemm(h, w2, offs)
 
         return run
@@ -344,13 +349,15 @@ def sweep_configs(decode: bool, bf16: bool = False) -> list[dict]:
     # 16-row tail 1.21x the best (k3-slice prefill)
     # gather: the gate-up GEMM reads its rows of x by index (pointer loads, not TMA) instead of
     # from an index_select copy: tried with the row splits that cover Kimi Linear's 256 rows
-    # an expert and k3-slice's ~146
+    # an expert and k3-slice's ~146. act: the gate-up GEMM applies the activation (each tile
+    # in and out of both ways, so the table holds whichever was faster)
     tiles = ((128, 4, 3), (128, 8, 3), (256, 8, 4))  # (block_n, num_warps, num_stages)
     configs = [dict(zip(tail_keys, (128, bt, bn, 64, nw, ns)))
                for bt, (bn, nw, ns) in itertools.product((0, 32, 64), tiles)]  # fmt: skip
-    gathered = [c | {"gather": True} for c in configs if c["block_t"]]
-    return configs + gathered + [
-        dict(block_m=64, block_t=32, block_n=128, block_k=64, num_warps=4, num_stages=3)]
+    configs += [c | {"gather": True} for c in configs if c["block_t"]]
+    configs.append(dict(block_m=64, block_t=32, block_n=128, block_k=64, num_warps=4,
+                        num_stages=3))  # fmt: skip
+    return [c | {"act": act} for act in (False, True) for c in configs]
 
 
 def _loop_experts(x_TD, w13, w2, ids_Tk, weights_Tk, *, act, beta, linear_beta):

@@ -4,7 +4,8 @@
 [w1; w3]) and, through `model.layers.FusedRows`, the dense FFN's and the shared experts'.
 One Triton program computes a BLOCK_I slice of BLOCK_M rows in fp32 and stores it in the output
 dtype: SiTU (K3) beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta), or SwiGLU
-silu(g) * u, with one reciprocal an element (`_gated`). On one H200, SiTU at 16,384 x 3,072 bf16
+silu(g) * u, with one reciprocal an element (`gated`, also the epilogue of the gate-up grouped
+GEMM where its launch fuses the activation). On one H200, SiTU at 16,384 x 3,072 bf16
 (k3-slice prefill): 74 us, 4.08 TB/s, 96% of the copy bandwidth, against 101 us with three
 approximate divisions (`tl.fdiv`) and Triton's exp (scratch A/B in one process,
 `benchmarks/kernels_h200.txt`, tenth session); SwiGLU 74 us either way.
@@ -28,7 +29,7 @@ BLOCK_M, BLOCK_I, NUM_WARPS, MIN_ROWS_FOR_TWO = 2, 1024, 4, 4096
 
 
 @triton.jit
-def _gated(g, u, beta, linear_beta, IS_SITU: tl.constexpr, PTX: tl.constexpr):
+def gated(g, u, beta, linear_beta, IS_SITU: tl.constexpr, PTX: tl.constexpr):
     """act(g, u) of fp32 tiles, SiTU or SwiGLU, with one reciprocal.
     tanh |z| = (1 - e) / (1 + e) with e = exp(-2 |z|) <= 1, sigmoid(g) = 1 / (1 + exp(-g)): SiTU
     is beta linear_beta (1 - e_g)(1 - e_u) / ((1 + e_g)(1 + e_u)(1 + exp(-g))), signed, and a
@@ -76,7 +77,7 @@ def gated_act_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_part, str
     for p in tl.static_range(1, PARTS):  # partial products of a split K, summed in order
         g += tl.load(g_ptr + p * stride_part + row * stride_g + col, mask=mask, other=0.0)
         u += tl.load(u_ptr + p * stride_part + row * stride_u + col, mask=mask, other=0.0)
-    y = _gated(g, u, beta, linear_beta, IS_SITU, PTX)
+    y = gated(g, u, beta, linear_beta, IS_SITU, PTX)
     dst = interleaved_column(col) if INTERLEAVE else col
     tl.store(out_ptr + row * stride_out + dst, y.to(out_ptr.dtype.element_ty), mask=mask)
 

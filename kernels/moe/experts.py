@@ -3,10 +3,11 @@ activation, fp32 combine. The same function serves prefill and decode, the singl
 model, pipeline stages and expert-parallel ranks (`first_expert` and the local expert count).
 
 Steps: `sort_slots` orders the T k token slots by expert (with Triton, the counting sorts of
-`route.py`); the slots' input rows are gathered
-([M, D], M = T k), or read by index in the next GEMM where its tuned launch says so
-(`grouped_gemm_triton.gathers`); one grouped GEMM with the fused gate-up weights w13
-[E, 2 I, D] gives [M, 2 I]; `moe_act` gives [M, I]; a grouped GEMM with w2 [E, D, I] gives [M, D]; `moe_combine`
+`route.py`); the slots' input rows are gathered ([M, D], M = T k), or read by index in the next
+GEMM where its tuned launch says so; one grouped GEMM with the fused gate-up weights w13
+[E, 2 I, D] gives [M, 2 I] and `moe_act` [M, I], or the GEMM applies the activation itself
+where its launch says so (`grouped_gemm_triton.fusions`: by default at bf16 prefill); a grouped
+GEMM with w2 [E, D, I] gives [M, D]; `moe_combine`
 sums each token's k rows times its router weights in fp32 (and may cast the sum and add the
 shared expert's output in the same pass). For the Gluon W4A16 decode kernel
 the gather and `moe_act` write their rows in its column order (`k3kernels.moe.interleave`),
@@ -61,7 +62,7 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
     if isinstance(w13_EFD, MXFP4Weight) and (not use_triton or gemm_impl == "torch"):
         # the reference path
         w13_EFD, w2_EDI = w13_EFD.dequantize(x_TD.dtype), w2_EDI.dequantize(x_TD.dtype)
-    gemm, interleave, gather = pick_gemm(w13_EFD, w2_EDI, ids_Tk.numel(), x_TD, gemm_impl)
+    gemm, interleave, fuse = pick_gemm(w13_EFD, w2_EDI, ids_Tk.numel(), x_TD, gemm_impl)
     T = x_TD.shape[0]
     if T == 0:
         return torch.zeros(0, w2_EDI.shape[1], dtype=out_dtype, device=x_TD.device)
@@ -71,26 +72,32 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
 
         sort = route.sort_slots
     order = sort(ids_Tk, w13_EFD.shape[0], first_expert)
-    if gather:  # the GEMM reads each slot's row of x itself
-        h_MF = gemm(x_TD, w13_EFD, order.offs_E, order.token_M)
-    else:
-        if interleave:  # the Gluon decode kernel's column order, written by the gather and act
-            from k3kernels.moe.interleave import gather_interleaved
+    if fuse["gather"]:  # the GEMM reads each slot's row of x itself
+        x_MD, rows_M = x_TD, order.token_M
+    elif interleave:  # the Gluon decode kernel's column order, written by the gather and act
+        from k3kernels.moe.interleave import gather_interleaved
 
-            x_MD = gather_interleaved(x_TD, order.token_M)
+        x_MD, rows_M = gather_interleaved(x_TD, order.token_M), None
+    else:
+        x_MD, rows_M = x_TD.index_select(0, order.token_M), None
+    if fuse["act"]:  # the GEMM applies the activation to its sums: [M, I]
+        h_MI = gemm(x_MD, w13_EFD, order.offs_E, rows_M, act=act, beta=beta,
+                    linear_beta=linear_beta)  # fmt: skip
+    else:
+        h_MF = gemm(x_MD, w13_EFD, order.offs_E, *(() if rows_M is None else (rows_M,)))
+        if use_triton:
+            from k3kernels.moe.act import moe_act
+
+            h_MI = moe_act(h_MF, act, beta, linear_beta, interleave=interleave,
+                           out_dtype=x_TD.dtype)  # fmt: skip
         else:
-            x_MD = x_TD.index_select(0, order.token_M)
-        h_MF = gemm(x_MD, w13_EFD, order.offs_E)
+            h_MI = gated_act_reference(h_MF, act, beta, linear_beta).to(h_MF.dtype)
+    y_MD = gemm(h_MI, w2_EDI, order.offs_E)
     if use_triton:
-        from k3kernels.moe.act import moe_act
         from k3kernels.moe.combine import moe_combine
 
-        h_MI = moe_act(h_MF, act, beta, linear_beta, interleave=interleave, out_dtype=x_TD.dtype)
-        y_MD = gemm(h_MI, w2_EDI, order.offs_E)
         return moe_combine(y_MD, order.slot_pos_Tk, weights_Tk, order.valid_Tk,
                            out_dtype=out_dtype, add_TD=add_TD)  # fmt: skip
-    h_MI = gated_act_reference(h_MF, act, beta, linear_beta).to(h_MF.dtype)
-    y_MD = gemm(h_MI, w2_EDI, order.offs_E)
     return combine_reference(y_MD, order.slot_pos_Tk, weights_Tk, order.valid_Tk,
                              out_dtype=out_dtype, add_TD=add_TD)  # fmt: skip
 
@@ -98,17 +105,23 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
 GEMM_IMPLS = ("auto", "torch", "triton")  # gemm_impl of `fused_experts`
 
 
+NO_FUSION = {"gather": False, "act": False}
+
+
 def pick_gemm(w13, w2, num_rows: int, x_TD, gemm_impl: str):
     """(the grouped GEMM of `fused_experts` for these weights, num_rows sorted rows of x's
-    dtype and device and gemm_impl (known), whether it reads its rows interleaved, whether the
-    gate-up GEMM gathers its rows of x itself: `gemm(x_TD, w13, offs, token_M)`)."""
+    dtype and device and gemm_impl (known), whether it reads its rows interleaved, what the
+    gate-up GEMM folds in: {"gather": it reads its rows of x by index, `gemm(x_TD, w13, offs,
+    token_M)`; "act": it applies the activation, `gemm(..., act=...)`}, the Triton kernel's
+    tuned choice, `grouped_gemm_triton.fusions`)."""
     if isinstance(w13, MXFP4Weight):  # "auto" or "triton" here
         from k3kernels.moe import w4a16_decode as G
         from k3kernels.moe.w4a16 import grouped_mm_mxfp4
 
         if gemm_impl == "auto" and all(G.supported(x_TD, w, num_rows) for w in (w13, w2)):
-            return partial(G.grouped_mm_mxfp4_decode, interleaved=True, parts=None), True, False
-        return grouped_mm_mxfp4, False, False
+            return partial(G.grouped_mm_mxfp4_decode, interleaved=True, parts=None), True, \
+                NO_FUSION  # fmt: skip
+        return grouped_mm_mxfp4, False, NO_FUSION
     if gemm_impl == "auto" and not x_TD.is_cuda:  # the CPU path imports no Triton module
         gemm_impl = "torch"
     if gemm_impl == "auto":
@@ -121,9 +134,8 @@ def pick_gemm(w13, w2, num_rows: int, x_TD, gemm_impl: str):
         fast = hopper and tma and (decode or w13.dtype == torch.bfloat16)
         gemm_impl = "triton" if fast else "torch"
     if gemm_impl == "triton":
-        from k3kernels.moe.grouped_gemm_triton import gathers, grouped_mm_triton
+        from k3kernels.moe.grouped_gemm_triton import fusions, grouped_mm_triton
 
         E, F, D = w13.shape
-        gather = gathers(num_rows, E, F, D, x_TD.dtype)
-        return grouped_mm_triton, False, gather
-    return grouped_mm, False, False
+        return grouped_mm_triton, False, fusions(num_rows, E, F, D, x_TD.dtype)
+    return grouped_mm, False, NO_FUSION

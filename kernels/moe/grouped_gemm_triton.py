@@ -42,7 +42,12 @@ with pointer loads, so that the routed pass need not gather x into a sorted copy
 read and one write of [T k, D] a layer, 4.7 ms of Kimi Linear's 8K prefill on an H200); the
 weights still come through TMA. Pointer loads fed the MMA more slowly than TMA before (above),
 so a tuned launch takes it only where `bench moe --sweep` timed it faster than the copy plus
-the TMA-read GEMM ("gather" in the table, read by `gathers`).
+the TMA-read GEMM ("gather" in the table, read by `fusions`).
+With `act` the gate-up GEMM applies the gated activation to its fp32 sums: each program loads
+a tile of gate rows and the matching tile of up rows and stores act(gate, up), so the pass
+writes [T k, I] once where it wrote [T k, 2 I], read it back and wrote [T k, I] in `moe_act`
+(Kimi Linear's 8K prefill: 0.8 GB a layer; the act kernel alone ran at 96% of the copy
+bandwidth, about 0.1 ms a layer). On by default at prefill, and a tuned choice ("act").
 Runs under TRITON_INTERPRET=1 on CPU.
 Shape legend: M sorted rows, K input width, N output width, E experts, T tokens.
 """
@@ -54,6 +59,7 @@ import triton
 import triton.language as tl
 
 from k3kernels import INTERPRETED, tuned
+from k3kernels.moe.act import gated
 
 
 def num_tile_slots(num_rows: int, num_experts: int, BLOCK_M: int) -> int:
@@ -99,40 +105,62 @@ def tile_rows_cols(first, offs_ptr, expert, n_block, N, BLOCK_M: tl.constexpr,
 
 @triton.jit
 def _swapped_loop(xa_desc, xb_desc, w_desc, x_ptr, tok_ptr, stride_x, out_ptr, first, end, w_row,
-                  cols, col_ok, K, stride_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  ROWS_A: tl.constexpr, ROWS_B: tl.constexpr, GATHER: tl.constexpr,
-                  UPCAST: tl.constexpr):  # fmt: skip
+                  up_rows, cols, col_ok, K, stride_out, beta, linear_beta, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, ROWS_A: tl.constexpr, ROWS_B: tl.constexpr,
+                  GATHER: tl.constexpr, ACT: tl.constexpr, UPCAST: tl.constexpr,
+                  PTX: tl.constexpr):  # fmt: skip
     """out[r, cols] = x[r] @ w[cols].T for the rows r below end of [first, first + ROWS_A)
     (x through xa_desc, whose box is ROWS_A rows) and of [first + ROWS_A, + ROWS_B) (xb_desc),
     as two accumulators [BLOCK_N, rows] sharing each weight tile; a size 0: no such tile.
-    GATHER: row r is x's row tok[r] instead, read with pointer loads (x [T, K] at x_ptr)."""
+    GATHER: row r is x's row tok[r] instead, read with pointer loads (x [T, K] at x_ptr).
+    ACT (1 SiTU, 2 SwiGLU; 0 none): out[r, cols] = act(gate, up) instead, gate = x[r] @
+    w[cols].T and up = x[r] @ w[cols + up_rows].T, each with accumulators of its own, and the
+    activation applied to the fp32 sums (`act.gated`; PTX: its MUFU instructions)."""
     if ROWS_A > 0:
         acc_a = tl.zeros([BLOCK_N, ROWS_A], dtype=tl.float32)
+        if ACT > 0:
+            up_a = tl.zeros([BLOCK_N, ROWS_A], dtype=tl.float32)
         if GATHER:
             tok_a = _row_tokens(tok_ptr, first, end, ROWS_A)
     if ROWS_B > 0:
         acc_b = tl.zeros([BLOCK_N, ROWS_B], dtype=tl.float32)
+        if ACT > 0:
+            up_b = tl.zeros([BLOCK_N, ROWS_B], dtype=tl.float32)
         if GATHER:
             tok_b = _row_tokens(tok_ptr, first + ROWS_A, end, ROWS_B)
     for k0 in range(0, K, BLOCK_K):
         w = w_desc.load([w_row, k0])  # [BLOCK_N, BLOCK_K]
         if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
             w = w.to(tl.float32)
+        if ACT > 0:
+            wu = w_desc.load([w_row + up_rows, k0])
+            if UPCAST:
+                wu = wu.to(tl.float32)
         if ROWS_A > 0:
             if GATHER:
                 xa = _gather_rows(x_ptr, tok_a, stride_x, k0, K, BLOCK_K)
             else:
                 xa = xa_desc.load([first, k0])
-            acc_a += tl.dot(w, tl.trans(xa.to(tl.float32) if UPCAST else xa))
+            xa = tl.trans(xa.to(tl.float32) if UPCAST else xa)
+            acc_a += tl.dot(w, xa)
+            if ACT > 0:
+                up_a += tl.dot(wu, xa)
         if ROWS_B > 0:
             if GATHER:
                 xb = _gather_rows(x_ptr, tok_b, stride_x, k0, K, BLOCK_K)
             else:
                 xb = xb_desc.load([first + ROWS_A, k0])
-            acc_b += tl.dot(w, tl.trans(xb.to(tl.float32) if UPCAST else xb))
+            xb = tl.trans(xb.to(tl.float32) if UPCAST else xb)
+            acc_b += tl.dot(w, xb)
+            if ACT > 0:
+                up_b += tl.dot(wu, xb)
     if ROWS_A > 0:
+        if ACT > 0:
+            acc_a = gated(acc_a, up_a, beta, linear_beta, ACT == 1, PTX)
         _store_t(out_ptr, acc_a, first, end, cols, col_ok, stride_out, ROWS_A)
     if ROWS_B > 0:
+        if ACT > 0:
+            acc_b = gated(acc_b, up_b, beta, linear_beta, ACT == 1, PTX)
         _store_t(out_ptr, acc_b, first + ROWS_A, end, cols, col_ok, stride_out, ROWS_B)
 
 
@@ -162,33 +190,37 @@ def _store_t(out_ptr, acc, first, end, cols, col_ok, stride_out, ROWS: tl.conste
 
 @triton.jit
 def grouped_gemm_kernel(xa_desc, xb_desc, w_desc, x_ptr, tok_ptr, stride_x, out_ptr, offs_ptr, N,
-                        K, stride_out, E, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                        GATHER: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+                        K, stride_out, E, beta, linear_beta, BLOCK_M: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_E: tl.constexpr, GATHER: tl.constexpr, ACT: tl.constexpr,
+                        UPCAST: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """N: the output's columns; with ACT, w holds 2 N rows an expert (gate rows, then up)."""
     expert, first, n_block = program_tile(offs_ptr, E, N, BLOCK_M + BLOCK_T, BLOCK_N, BLOCK_E)
     if expert < E:
         end = tl.minimum(tl.load(offs_ptr + expert), first + BLOCK_M + BLOCK_T)
         cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
-        w_row = expert * N + n_block * BLOCK_N  # in w viewed as [E N, K]
+        w_rows = 2 * N if ACT > 0 else N  # an expert's rows of w
+        w_row = expert * w_rows + n_block * BLOCK_N  # in w viewed as [E w_rows, K]
         rows = end - first
         if BLOCK_T > 0 and rows > BLOCK_M:
             _swapped_loop(xa_desc, xb_desc, w_desc, x_ptr, tok_ptr, stride_x, out_ptr, first, end,
-                          w_row, cols, col_ok, K, stride_out, BLOCK_N, BLOCK_K, BLOCK_M, BLOCK_T,
-                          GATHER, UPCAST)  # fmt: skip
+                          w_row, N, cols, col_ok, K, stride_out, beta, linear_beta, BLOCK_N,
+                          BLOCK_K, BLOCK_M, BLOCK_T, GATHER, ACT, UPCAST, PTX)  # fmt: skip
         elif BLOCK_T == 0 or rows > BLOCK_T:
             _swapped_loop(xa_desc, xb_desc, w_desc, x_ptr, tok_ptr, stride_x, out_ptr, first, end,
-                          w_row, cols, col_ok, K, stride_out, BLOCK_N, BLOCK_K, BLOCK_M, 0,
-                          GATHER, UPCAST)  # fmt: skip
+                          w_row, N, cols, col_ok, K, stride_out, beta, linear_beta, BLOCK_N,
+                          BLOCK_K, BLOCK_M, 0, GATHER, ACT, UPCAST, PTX)  # fmt: skip
         else:
             _swapped_loop(xa_desc, xb_desc, w_desc, x_ptr, tok_ptr, stride_x, out_ptr, first, end,
-                          w_row, cols, col_ok, K, stride_out, BLOCK_N, BLOCK_K, 0, BLOCK_T,
-                          GATHER, UPCAST)  # fmt: skip
+                          w_row, N, cols, col_ok, K, stride_out, beta, linear_beta, BLOCK_N,
+                          BLOCK_K, 0, BLOCK_T, GATHER, ACT, UPCAST, PTX)  # fmt: skip
 
 
 DEFAULT_CONFIGS = {
     "decode": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4),
-    "prefill": dict(block_m=64, block_t=32, block_n=128, block_k=64, num_warps=4, num_stages=2),
+    "prefill": dict(block_m=64, block_t=32, block_n=128, block_k=64, num_warps=4, num_stages=2,
+                    act=True),
 }
 # This kernel's and the W4A16 kernel's tuned launches (`k3kernels.tuned`): tables "bf16" and
 # "mxfp4", keys "<regime> N=<n> K=<k> rows/expert=<r>" (`table_key`), fallbacks "prefill" and
@@ -250,15 +282,26 @@ def tma_ready(t: torch.Tensor) -> bool:
             and t.data_ptr() % 16 == 0)  # fmt: skip
 
 
+ACTS = {"situ": 1, "silu": 2}  # the kernel's ACT
+
+
 def grouped_mm_triton(x: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
-                      rows_M: torch.Tensor | None = None, **config) -> torch.Tensor:  # fmt: skip
+                      rows_M: torch.Tensor | None = None, act: str | None = None,
+                      beta: float = 4.0, linear_beta: float = 25.0,
+                      **config) -> torch.Tensor:  # fmt: skip
     """out[r] = x[r] @ w[e].T for the rows r of group e; x [M, K], w [E, N, K] (`tma_ready`
     both), offs [E] int32 cumulative group ends. Rows after offs[-1] are left unwritten.
     rows_M ([M] int, the sorted rows' rows of x): out[r] = x[rows[r]] @ w[e].T instead, x
     [T, K] (unit last stride) read by pointer loads in the kernel, no gathered copy made.
+    act ("situ" or "silu", with beta and linear_beta as `moe_act`): w holds gate rows [0, N/2)
+    and up rows [N/2, N) an expert and out [M, N/2] = act(gate, up), applied to the fp32 sums
+    (no [M, N] output, no second pass); each program then computes block_n / 2 output columns
+    from two weight tiles of that height, so a launch tuned for the unfused GEMM keeps its
+    accumulators' size.
     config: block_m and block_t (an expert's rows in tiles of block_m + block_t rows, each
     program running the two tiles or one; block_t 0: tiles of block_m), block_n, block_k,
-    num_warps, num_stages (default `launch_config`; its "gather" is the caller's choice)."""
+    num_warps, num_stages (default `launch_config`; its "gather" and "act" are the caller's
+    choice, `fusions`)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     gather = rows_M is not None
@@ -267,15 +310,21 @@ def grouped_mm_triton(x: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
                          "through TMA: they need unit last strides, row strides of a multiple "
                          "of 16 bytes, 16-byte aligned data and w's experts one after the "
                          "other")  # fmt: skip
+    if act is not None and (act not in ACTS or w_ENK.shape[1] % 2):
+        raise ValueError(f"grouped_mm_triton's act is one of {', '.join(ACTS)} over an even "
+                         f"number of weight rows (gate, then up); got {act!r} and "
+                         f"{w_ENK.shape[1]} rows")  # fmt: skip
     M, K = (rows_M.shape[0], x.shape[1]) if gather else x.shape
     E, N, _ = w_ENK.shape
     cfg = launch_config(M, E, _table(x.dtype), nk=(N, K)) | config
     block_m, block_n, block_k = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     block_t = cfg.get("block_t", 0)
+    if act is not None:  # the output's columns, each program's from two tiles of block_n rows
+        N, block_n = N // 2, block_n // 2
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    w_desc = TensorDescriptor.from_tensor(w_ENK.view(E * N, K), [block_n, block_k])
+    w_desc = TensorDescriptor.from_tensor(w_ENK.view(-1, K), [block_n, block_k])
     if gather:  # the descriptors' places hold w's, unread
         xa_desc = xb_desc = w_desc
     else:
@@ -283,21 +332,27 @@ def grouped_mm_triton(x: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
         xb_desc = TensorDescriptor.from_tensor(x, [block_t, block_k]) if block_t else xa_desc
     grid = (num_tile_slots(M, E, block_m + block_t) * triton.cdiv(N, block_n),)
     grouped_gemm_kernel[grid](xa_desc, xb_desc, w_desc, x, rows_M if gather else offs_E,
-                              x.stride(0), out, offs_E, N, K, out.stride(0), E,
-                              BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_N=block_n,
-                              BLOCK_K=block_k, BLOCK_E=block_e(E), GATHER=gather,
+                              x.stride(0), out, offs_E, N, K, out.stride(0), E, float(beta),
+                              float(linear_beta), BLOCK_M=block_m, BLOCK_T=block_t,
+                              BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=block_e(E),
+                              GATHER=gather, ACT=ACTS.get(act, 0),
                               UPCAST=INTERPRETED and x.dtype != torch.float32,
-                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+                              PTX=not INTERPRETED, num_warps=cfg["num_warps"],
+                              num_stages=cfg["num_stages"])  # fmt: skip
     return out
 
 
-def gathers(num_rows: int, num_experts: int, n: int, k: int, dtype: torch.dtype) -> bool:
-    """Whether the tuned launch of this GEMM (num_rows sorted rows of dtype over num_experts
-    experts, n outputs, k inputs) reads its rows of x by index (`rows_M`) rather than from a
-    gathered copy: the table's "gather", chosen by `bench moe --sweep` against a gather pass
-    and the TMA-read GEMM; off where no entry says (every dtype but bf16)."""
+def fusions(num_rows: int, num_experts: int, n: int, k: int, dtype: torch.dtype) -> dict:
+    """What the tuned launch of the gate-up GEMM (num_rows sorted rows of dtype over
+    num_experts experts, n outputs, k inputs) folds in: {"gather": it reads its rows of x by
+    index (`rows_M`) rather than from a gathered copy, "act": it applies the gated activation
+    (`act`) rather than leaving it to `moe_act`}. Each is the table's, chosen by `bench moe
+    --sweep` against the separate pass; the regime's default where no entry says (gather off;
+    act on at prefill), and both off for every dtype but bf16 (no table)."""
+    if dtype != torch.bfloat16:
+        return {"gather": False, "act": False}
     cfg = launch_config(num_rows, num_experts, _table(dtype), nk=(n, k))
-    return bool(cfg.get("gather", False))
+    return {"gather": bool(cfg.get("gather", False)), "act": bool(cfg.get("act", False))}
 
 
 def _table(dtype: torch.dtype) -> str:

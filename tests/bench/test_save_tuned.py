@@ -66,7 +66,8 @@ def test_sweep_grids_hold_valid_launches():
     assert len({json.dumps(c) for c in bf16}) == len(bf16)
     assert {"block_m": 128, "block_t": 0} in [{k: c[k] for k in ("block_m", "block_t")}
                                               for c in bf16]  # fmt: skip
-    assert any(c.get("gather") for c in bf16) and not all(c.get("gather") for c in bf16)
+    for fold in ("gather", "act"):  # each tile in and out of the GEMM's folded passes
+        assert any(c.get(fold) for c in bf16) and not all(c.get(fold) for c in bf16)
     for heads, page in ((32, 16), (96, 64), (12, 16)):  # the rule's tile is among those swept
         assert mla_decode.default_config(heads, page) in kernels.mla_decode_tiles(heads)
 

@@ -143,6 +143,19 @@ def _check_grouped_mm_triton(device, **blocks):
         got = grouped_mm_triton(x_T, wd, offs, rows, **blocks)[:140]
         want = grouped_mm_triton(x_T.index_select(0, rows), wd, offs, **blocks)[:140]
         assert torch.equal(got, want), f"gathered rows, {dtype}"
+        # the gated activation in the GEMM (40 rows: gate 0-19, up 20-39; each program's
+        # column tile crosses I = 20 where block_n / 2 does not divide it) against the
+        # reference's act of the same fp32 sums, and the rows by index with it
+        for act in ("situ", "silu"):
+            fused = grouped_mm_triton(xd, wd, offs, act=act, **blocks)[:140]
+            assert fused.shape == (140, 20) and fused.dtype == dtype
+            want = R.gated_act_reference(ref_d, act)
+            assert_close(f"grouped_mm_triton_{act}_{dtype}", want, fused, rel_rms=tol)
+            got = grouped_mm_triton(x_T, wd, offs, rows, act=act, **blocks)[:140]
+            want = grouped_mm_triton(x_T.index_select(0, rows), wd, offs, act=act, **blocks)
+            assert torch.equal(got, want[:140]), f"gathered rows, {act}, {dtype}"
+    with pytest.raises(ValueError, match="act is one of"):
+        grouped_mm_triton(xd, wd[:, :39].contiguous(), offs, act="silu", **blocks)
     return ref
 
 
@@ -287,22 +300,28 @@ def _interpreted_checks():
                   gemm_impl="triton")  # fmt: skip
 
 
-def test_fused_experts_gathering_in_the_gemm_interpreted(monkeypatch):
-    """The pass with the gate-up GEMM reading its rows by index (a tuned launch's "gather"),
-    under the interpreter: the reference's result, with no index_select of x."""
+@pytest.mark.parametrize("gather", [False, True], ids=["copied-rows", "gathered-rows"])
+@pytest.mark.parametrize("act", [False, True], ids=["act-apart", "act-in-gemm"])
+def test_fused_experts_folding_into_the_gemm_interpreted(monkeypatch, gather, act):
+    """The pass with the gate-up GEMM reading its rows by index (a tuned launch's "gather")
+    and applying the activation (its "act"), under the interpreter: the reference's result,
+    with no index_select of x where it gathers and no [T k, 2 I] output where it activates."""
     from k3kernels.moe import grouped_gemm_triton as G
 
     shape, calls, gemm = TINY["T33-D32-I24-E8-k2-ep4of8"], [], G.grouped_mm_triton
 
     def spy(x, w, offs, rows_M=None, **config):
-        calls.append((x.shape[0], rows_M is not None))
-        return gemm(x, w, offs, rows_M, **config)
+        out = gemm(x, w, offs, rows_M, **config)
+        calls.append((x.shape[0], rows_M is not None, out.shape[1]))
+        return out
 
-    monkeypatch.setattr(G, "gathers", lambda *a: True)
+    monkeypatch.setattr(G, "fusions", lambda *a: {"gather": gather, "act": act})
     monkeypatch.setattr(G, "grouped_mm_triton", spy)
     check_experts(shape, torch.float32, "cpu", use_triton=True, gemm_impl="triton")
-    T, k = shape[0], shape[4]
-    assert calls == [(T, True), (T * k, False)]  # x's T rows by index, then the sorted h
+    T, D, I, k = shape[0], shape[1], shape[2], shape[4]
+    # x's rows (T by index, else the T k sorted), gate-up to 2 I or act to I; then the down GEMM
+    first = (T if gather else T * k, gather, I if act else 2 * I)
+    assert calls == [first, (T * k, False, D)]
 
 
 # ---- GPU: K3-slice shapes ------------------------------------------------------------------
