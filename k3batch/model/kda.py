@@ -5,8 +5,8 @@ Launches per layer: ONE GEMM of x for every projection that reads it (`in_proj`:
 output gate g (K3) or its down-projection g_a (Kimi Linear), f_a and b, as row blocks of one
 weight, `FusedRows`), then f_b (K3), or f_b and g_b as one batched GEMM over the stacked pair
 (Kimi Linear), ONE short conv over the q|k|v columns (the three conv weights fused the same
-way; the conv cache per block is [3, C, W-1], i.e. [3C, W-1]), the recurrence, the gated norm
-and o_proj.
+way; the conv cache per block is [3, C, W-1], i.e. [3C, W-1]; at prefill it also L2-norms q
+and k), the recurrence, the gated norm and o_proj.
 Shape legend: T packed tokens, N sequences, D hidden, H heads, K = V head dim, C = H * K.
 """
 
@@ -126,9 +126,11 @@ class KimiDeltaAttention(nn.Module):
             return o
         warm = batch.positions  # nonzero: the sequence continues from its cached state
         pool = cache.kda_conv[self.layer_idx].flatten(1, 2)  # [NB, 3C, W-1]
-        # Three contiguous [T, C] outputs, as the chunked kernels take q, k and v.
+        # Three contiguous [T, C] outputs, as the chunked kernels take q, k and v, with q and
+        # k L2-normed per head.
         q, k, v = ops.short_conv_prefill_(
-            qkv, conv_3CW, pool, batch.slots, warm, cu, num_parts=3, backend=self.backend
+            qkv, conv_3CW, pool, batch.slots, warm, cu, num_parts=3, norm_parts=2, head_dim=K,
+            backend=self.backend,
         ).view(3, T, H, K)
         state_pool = cache.kda_state[self.layer_idx]
         return ops.kda_prefill_(

@@ -56,7 +56,8 @@ def kda_prefill_(
 ):  # fmt: skip
     """`kda_core` in place on the cache: each sequence continues from state_pool[slots[n]]
     ([NB, H, K, V] fp32) where warm[n] != 0, from zeros elsewhere, and leaves its final state
-    there. slots, warm: [N] device tensors; cu_seqlens: N+1 offsets (list). Returns o [T, H, V]."""
+    there. q, k: L2-normed already (`short_conv_prefill_`'s norm_parts); slots, warm: [N]
+    device tensors; cu_seqlens: N+1 offsets (list). Returns o [T, H, V]."""
     kw = dict(lower_bound=lower_bound, scale=scale, state_pool=state_pool, slots=slots,
               warm=warm, cu_seqlens=cu_seqlens)  # fmt: skip
     impl = _fla() if backend == "fla" else reference
@@ -64,12 +65,14 @@ def kda_prefill_(
 
 
 def short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens, *, num_parts: int = 1,
-                        backend: str):  # fmt: skip
+                        norm_parts: int = 0, head_dim: int = 0, backend: str):  # fmt: skip
     """`short_conv` in place on the cache: x [T, C] (unit column stride); pool_BCW [NB, C, W-1]
     read (where warm) and overwritten at slots. Returns y [num_parts, T, C / num_parts]: channel
-    c in part c // (C / num_parts), each part contiguous."""
+    c in part c // (C / num_parts), each part contiguous, the first norm_parts parts L2-normed
+    over heads of head_dim channels (q and k as `kda_prefill_` takes them)."""
     impl = _fla() if backend == "fla" else reference
-    return impl.short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens, num_parts)
+    return impl.short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens, num_parts,
+                                    norm_parts, head_dim)  # fmt: skip
 
 
 def gated_rms_norm(o, z, weight, eps: float, *, backend: str):
@@ -81,7 +84,7 @@ def gated_rms_norm(o, z, weight, eps: float, *, backend: str):
 
 def warm_up(max_rows: int, dim: int, dtype, device, *, backend: str) -> None:
     """Tune ahead what the backend tunes by batch size, for up to max_rows rows (tokens x
-    heads) of width dim: fla's norms (`tune_norm_buckets`); nothing for torch."""
+    heads) of width dim: fla's gated norm (`tune_norm_buckets`); nothing for torch."""
     if backend == "fla":
         _fla().tune_norm_buckets(max_rows, dim, dtype, device)
 

@@ -8,8 +8,10 @@ stale bytes). The block is then overwritten with the last W-1 inputs of the wind
 shifted. No gather, no new state tensor, no host read. The output is laid out in parts
 [P, T, C / P], channel c in part c // (C / P): the model convolves q, k and v as one
 3C-channel input (the q|k|v columns of its fused projection, a strided view) and gets three
-contiguous [T, C] tensors, as the chunked KDA kernels take them. The oracle is
-`reference.short_conv_prefill_`.
+contiguous [T, C] tensors, as the chunked KDA kernels take them; with `norm_parts` the first
+parts (q and k) leave L2-normed over each head, as KDA takes them, so that the two norm passes
+over q and k (a read and a write of [T, C] each, 20 a Kimi Linear prefill) do not follow. The
+oracle is `reference.short_conv_prefill_`.
 
 Two launches, in stream order. `short_conv_prefill_kernel`: program (channel block, token
 block, sequence) computes BLOCK_T outputs, each from W shifted loads that read the old state
@@ -57,6 +59,8 @@ def short_conv_prefill_kernel(
     W: tl.constexpr,
     BT: tl.constexpr,
     BC: tl.constexpr,
+    NORM_PARTS: tl.constexpr,
+    HEAD: tl.constexpr,
 ):
     i_c, i_t, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -91,6 +95,11 @@ def short_conv_prefill_kernel(
                 acc += tl.where(in_x[:, None], b_x, b_s).to(tl.float32) * b_w[None, :]
         b_y = tl.fdiv(acc, 1.0 + tl.exp(-acc))  # SiLU; the approximate quotient (2 ulp)
         part = (o_c // CP).to(tl.int64)  # per channel, not per element
+        if NORM_PARTS > 0:  # each head's L2 norm in the first parts (heads lie inside blocks)
+            b_h = tl.reshape(b_y, [BT, BC // HEAD, HEAD])
+            r = 1.0 / tl.sqrt(tl.sum(b_h * b_h, axis=2) + 1e-6)  # [BT, BC // HEAD]
+            b_n = tl.reshape(b_h * r[:, :, None], [BT, BC])
+            b_y = tl.where((part < NORM_PARTS)[None, :], b_n, b_y)
         p_y = y + (part * stride_yp + o_c - part * CP)[None, :] + (bos + o_t)[:, None] * CP
         tl.store(p_y, b_y.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
 
@@ -125,7 +134,8 @@ def conv_state_update_kernel(
 
 
 def short_conv_prefill_(x_TC, weight_CW, pool_BCW, slots_N, warm_N, cu_seqlens, *,
-                        num_parts: int = 1, block_t: int = BLOCK_T, block_c: int = BLOCK_C,
+                        num_parts: int = 1, norm_parts: int = 0, head_dim: int = 0,
+                        block_t: int = BLOCK_T, block_c: int = BLOCK_C,
                         num_warps: int = NUM_WARPS):  # fmt: skip
     """Causal depthwise conv + SiLU over a packed batch, continuing each sequence from its conv
     state in place.
@@ -135,13 +145,20 @@ def short_conv_prefill_(x_TC, weight_CW, pool_BCW, slots_N, warm_N, cu_seqlens, 
     `slots_N` (distinct int device indices); warm_N: [N] device ints or bools (0: start from
     zeros); cu_seqlens: N+1 offsets, a host list or a `Varlen` (its device copy reused).
     Returns y [num_parts, T, C / num_parts] in x's dtype (channel c in part c // (C /
-    num_parts)).
+    num_parts)); the first norm_parts parts L2-normed over each head's head_dim channels (q
+    and k), in fp32 before the one rounding, so that no norm pass follows. A head's channels
+    must lie in one program's block: head_dim a power of two dividing block_c and the part.
     """
     T, C = x_TC.shape
     W = weight_CW.shape[1]
     assert pool_BCW.shape[1:] == (C, W - 1)
     if C % num_parts:
         raise ValueError(f"{C} channels do not split into {num_parts} parts")
+    if norm_parts and not (head_dim & (head_dim - 1) == 0 and head_dim and block_c % head_dim == 0
+                           and C // num_parts % head_dim == 0 and norm_parts <= num_parts):
+        raise ValueError(f"the L2 norm of {norm_parts} of {num_parts} parts of {C} channels "
+                         f"needs heads of a power of two dividing the block ({block_c}) and a "
+                         f"part; got {head_dim}")  # fmt: skip
     x = x_TC if x_TC.stride(1) == 1 else x_TC.contiguous()
     y = torch.empty(num_parts, T, C // num_parts, dtype=x.dtype, device=x.device)
     N = len(cu_seqlens) - 1
@@ -153,7 +170,8 @@ def short_conv_prefill_(x_TC, weight_CW, pool_BCW, slots_N, warm_N, cu_seqlens, 
     common = (slots_N, warm_N)
     short_conv_prefill_kernel[(triton.cdiv(C, block_c), triton.cdiv(max_len, block_t), N)](
         x, y, pool_BCW, *common, weight, cu, x.stride(0), y.stride(0), *pool_BCW.stride(), C,
-        C // num_parts, W=W, BT=block_t, BC=block_c, num_warps=num_warps,
+        C // num_parts, W=W, BT=block_t, BC=block_c, NORM_PARTS=norm_parts,
+        HEAD=head_dim if norm_parts else 1, num_warps=num_warps,
     )  # fmt: skip
     conv_state_update_kernel[(triton.cdiv(C, block_c), N)](
         x, pool_BCW, *common, cu, x.stride(0), *pool_BCW.stride(), C, W=W,

@@ -79,16 +79,16 @@ def kda_prefill_(
     q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, state_pool, slots, warm, cu_seqlens
 ):
     """`kda_prefill` in place on the cache: each sequence continues from `state_pool[slots[n]]`
-    where warm[n] != 0 (zeros elsewhere) and leaves its final state there.
+    where warm[n] != 0 (zeros elsewhere) and leaves its final state there. q and k come
+    L2-normed (by the conv, `short_conv_prefill_`'s norm_parts).
 
     The steps of fla 0.6.0's `chunk_kda` forward (gate cumsum, intra-chunk WY terms, output)
     with our `chunk_state` kernel in place of `chunk_gated_delta_rule_fwd_h`, the one step that
     reads and writes the recurrent state: no [N, H, K, V] gather or scatter around the call.
-    q, k, v, f, b, A_log, dt_bias as in `kda_prefill`; state_pool [NB, H, K, V] fp32 (each
+    v, f, b, A_log, dt_bias as in `kda_prefill`; state_pool [NB, H, K, V] fp32 (each
     block's state contiguous); slots [N], warm [N]: device tensors; cu_seqlens: N+1 offsets
     (a list, or a `Varlen`: its device tables reused). Returns o [T, H, V] in q's dtype.
     """
-    from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.common.gate import fused_beta_sigmoid_fwd
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
@@ -102,8 +102,6 @@ def kda_prefill_(
     table = as_varlen(cu_seqlens, q.device)
     varlen = dict(cu_seqlens=table.cu, chunk_size=BT, chunk_indices=table.chunk_indices)
     q, k, v, f = (t.contiguous()[None] for t in (q, k, v, f))  # [1, T, H, *], as chunk_kda
-    q, _ = l2norm_fwd(q)
-    k, _ = l2norm_fwd(k)
     beta = fused_beta_sigmoid_fwd(b.contiguous()[None])
     g = kda_gate_chunk_cumsum(
         g=f,
@@ -141,14 +139,16 @@ def short_conv_decode_(x_NC, weight_CW, pool_BCW, slots):
     return short_conv_decode_(x_NC, weight_CW, pool_BCW, slots)
 
 
-def short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens, num_parts: int = 1):
+def short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens, num_parts: int = 1,
+                        norm_parts: int = 0, head_dim: int = 0):  # fmt: skip
     """`short_conv` in place on the cache: `k3kernels.kda.conv_prefill` (fla's causal_conv1d
     reads and writes states only through [N, C, W] tensors). Returns y [num_parts, T, C /
-    num_parts]."""
+    num_parts], the first norm_parts parts L2-normed over heads of head_dim."""
     from k3kernels.kda.conv_prefill import short_conv_prefill_
 
     return short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens,
-                               num_parts=num_parts)  # fmt: skip
+                               num_parts=num_parts, norm_parts=norm_parts,
+                               head_dim=head_dim)  # fmt: skip
 
 
 @torch.no_grad()
@@ -187,25 +187,23 @@ def gated_rms_norm(o, z, weight, eps: float):
     return rms_norm_gated(o, z, weight, None, activation="sigmoid", eps=eps)
 
 
-# fla's L2 norm (in `chunk_kda`) and gated RMS norm key their autotuning on the bucket
-# NB = cdiv(rows, NORM_BUCKET_ROWS) of their rows (tokens x heads): a batch of a new bucket
-# tunes them (tens of launch configs) before it runs.
+# fla's gated RMS norm keys its autotuning on the bucket NB = cdiv(rows, NORM_BUCKET_ROWS) of
+# its rows (tokens x heads): a batch of a new bucket tunes it (tens of launch configs) before it
+# runs. (So does its L2 norm, which the engine's prefill no longer runs: the conv norms q, k.)
 NORM_BUCKET_ROWS = 2048 * 32
 
 
 @torch.no_grad()
 def tune_norm_buckets(max_rows: int, dim: int, dtype, device) -> None:
-    """Run fla's two norms once at each of their buckets up to max_rows rows of width dim, in
-    dtype (autotuning is keyed on the argument dtypes too), so that later batches find them
+    """Run fla's gated norm once at each of its buckets up to max_rows rows of width dim, in
+    dtype (autotuning is keyed on the argument dtypes too), so that later batches find it
     tuned. A cold one-H100 Kimi Linear job lost 2.7 s (6% of its output rate) in one prefill
     step, at the end of its first wave of prompts, where by the batch plan its first steps
     under 8,192 tokens reach buckets 3 and 2 (32 heads), which the warm-up's forwards (8,192
     and a few hundred tokens) do not; the same job warm had no such step."""
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
-    from fla.modules.norm.l2norm import l2norm_fwd
 
     weight = torch.ones(dim, dtype=dtype, device=device)
     for nb in range(1, -(-max_rows // NORM_BUCKET_ROWS) + 1):
         x = torch.zeros(min(nb * NORM_BUCKET_ROWS, max_rows), dim, dtype=dtype, device=device)
-        l2norm_fwd(x)
         rms_norm_gated(x, x, weight, None, activation="sigmoid", eps=1e-6)

@@ -86,18 +86,21 @@ def kda_chunked(q, k, v, g, beta, scale: float, initial_state=None, chunk_size: 
 
 
 def kda_core(
-    q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, initial_state, cu_seqlens, chunked: bool
-):
+    q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, initial_state, cu_seqlens, chunked: bool,
+    qk_normed: bool = False,
+):  # fmt: skip
     """The KDA core on a packed batch, from raw inputs (as fla's kernels take them with the
     gate, beta sigmoid and q/k L2 norm "in kernel").
 
-    q, k: [T, H, K] after the short conv; v: [T, H, V]; f: [T, H, K] raw decay logits; b: [T, H]
-    raw beta logits; initial_state: [N, H, K, V] fp32; cu_seqlens: list of N+1 offsets.
+    q, k: [T, H, K] after the short conv (and its L2 norm where qk_normed); v: [T, H, V];
+    f: [T, H, K] raw decay logits; b: [T, H] raw beta logits; initial_state: [N, H, K, V]
+    fp32; cu_seqlens: list of N+1 offsets.
     Returns (o [T, H, V] fp32, final states [N, H, K, V] fp32).
     """
     g = kda_gate(f, A_log, dt_bias, lower_bound)
     beta = torch.sigmoid(b.float())
-    q, k = l2norm(q), l2norm(k)
+    if not qk_normed:
+        q, k = l2norm(q), l2norm(k)
     run = kda_chunked if chunked else kda_recurrent
     outs, states = [], []
     for n in range(len(cu_seqlens) - 1):
@@ -115,6 +118,12 @@ def short_conv(x, weight_CW, conv_state, cu_seqlens):
     conv_state: [N, C, W-1], the previous W-1 inputs, oldest first (zeros for a fresh sequence).
     Returns (y [T, C] in x's dtype, new conv_state [N, C, W-1] in x's dtype).
     """
+    y, state = _conv_silu(x, weight_CW, conv_state, cu_seqlens)
+    return y.to(x.dtype), state
+
+
+def _conv_silu(x, weight_CW, conv_state, cu_seqlens):
+    """`short_conv` with y in fp32 (not rounded)."""
     C, W = weight_CW.shape
     ys, states = [], []
     w = weight_CW.float()
@@ -122,7 +131,7 @@ def short_conv(x, weight_CW, conv_state, cu_seqlens):
         xs = x[cu_seqlens[n] : cu_seqlens[n + 1]]
         full = torch.cat([conv_state[n].to(x.dtype), xs.t()], dim=1)  # [C, W-1+t]
         y = F.conv1d(full.float()[None], w[:, None, :], groups=C)[0]  # [C, t]
-        ys.append(F.silu(y).t().to(x.dtype))
+        ys.append(F.silu(y).t())
         states.append(full[:, full.shape[1] - (W - 1) :])
     return torch.cat(ys), torch.stack(states)
 
@@ -187,8 +196,9 @@ def kda_prefill_(
 ):
     """`kda_core` (chunked) on a packed batch, each sequence continuing from its block's state
     `state_pool[slots[n]]` where warm[n] != 0 (zeros elsewhere) and leaving its final state
-    there. state_pool: [NB, H, K, V] fp32; slots: [N] distinct indices; warm: [N] ints or bools;
-    the rest as in `kda_core`. Returns o [T, H, V] fp32."""
+    there. q, k: L2-normed already (`short_conv_prefill_`'s norm_parts); state_pool:
+    [NB, H, K, V] fp32; slots: [N] distinct indices; warm: [N] ints or bools; the rest as in
+    `kda_core`. Returns o [T, H, V] fp32."""
     o, state = kda_core(
         q,
         k,
@@ -202,19 +212,26 @@ def kda_prefill_(
         initial_state=_initial_states(state_pool, slots, warm),
         cu_seqlens=cu_seqlens,
         chunked=True,
+        qk_normed=True,
     )
     state_pool[slots] = state
     return o
 
 
-def short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens, num_parts: int = 1):
+def short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens, num_parts: int = 1,
+                        norm_parts: int = 0, head_dim: int = 0):  # fmt: skip
     """`short_conv` on a packed batch, in place on `pool_BCW[slots[n]]` ([NB, C, W-1], oldest
     input first; zeros stand in where warm[n] == 0). Returns y [num_parts, T, C / num_parts] in
     x's dtype, channel c in part c // (C / num_parts), each part contiguous (q, k and v of one
-    conv over their concatenated channels)."""
-    y, state = short_conv(x, weight_CW, _initial_states(pool_BCW, slots, warm), cu_seqlens)
+    conv over their concatenated channels); the first norm_parts parts L2-normed over each
+    head's head_dim channels (q and k, as KDA takes them) before the one rounding."""
+    y, state = _conv_silu(x, weight_CW, _initial_states(pool_BCW, slots, warm), cu_seqlens)
     pool_BCW[slots] = state.to(pool_BCW.dtype)
-    return y.unflatten(1, (num_parts, -1)).transpose(0, 1).contiguous()
+    y = y.unflatten(1, (num_parts, -1)).transpose(0, 1)
+    if norm_parts:
+        normed = l2norm(y[:norm_parts].unflatten(-1, (-1, head_dim))).flatten(-2)
+        y = torch.cat([normed, y[norm_parts:]])
+    return y.to(x.dtype).contiguous()
 
 
 def chunk_state(kg, w, u, gk, initial_state, cu_seqlens, chunk_size: int = 64):

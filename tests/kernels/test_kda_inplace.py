@@ -362,6 +362,7 @@ def test_conv_prefill_kernel_qkv_in_one_launch(block_c):
     proj = torch.randn(sum(lens), 3 * C + 5, generator=g)  # q | k | v | other projections
     w = torch.randn(3 * C, W, generator=g) * 0.5
     ref_buf, before, cu = buf.to("cpu", copy=True), buf.clone(), _cu(lens)
+    start = buf.to("cpu", copy=True)  # (the reference writes the states of a CPU `before`)
     ref_parts = ref_buf[:, : 3 * C * (W - 1)].view(-1, 3, C, W - 1)
     y_ref = [R.short_conv_prefill_(proj[:, j * C : (j + 1) * C], w[j * C : (j + 1) * C],
                                    ref_parts[:, j], slots.cpu(), warm.cpu(), cu)[0]
@@ -378,6 +379,23 @@ def test_conv_prefill_kernel_qkv_in_one_launch(block_c):
     ref = R.short_conv_prefill_(proj[:, : 3 * C], w, conv_of(before.cpu()), slots.cpu(),
                                 warm.cpu(), cu, num_parts=3)  # fmt: skip
     assert torch.equal(ref, torch.stack(y_ref))
+    # As the model runs it: q and k (the first two parts) L2-normed over heads of 8 channels
+    # (the reference: the same conv, each head's norm; v as before), the state as before.
+    ref_normed = R.short_conv_prefill_(proj[:, : 3 * C], w, conv_of(start.clone()), slots.cpu(),
+                                       warm.cpu(), cu, num_parts=3, norm_parts=2, head_dim=8)
+    buf.copy_(start)
+    y = short_conv_prefill_(proj.to(DEV)[:, : 3 * C], w.to(DEV), conv_of(buf), slots, warm, cu,
+                            num_parts=3, norm_parts=2, head_dim=8, block_t=8,
+                            block_c=block_c)  # fmt: skip
+    heads = ref_normed[:2].unflatten(-1, (-1, 8))
+    assert torch.allclose(heads.norm(dim=-1), torch.ones(()), atol=1e-5)
+    assert torch.equal(ref_normed[2], ref[2])
+    assert_close("conv_y_normed", ref_normed, y.cpu(), rel_rms=rel_rms)
+    assert torch.equal(conv_of(buf)[slots].cpu(), conv_of(ref_buf)[slots.cpu()])
+    with pytest.raises(ValueError, match="L2 norm"):  # a head across two blocks
+        short_conv_prefill_(proj.to(DEV)[:, : 3 * C], w.to(DEV), conv_of(buf), slots, warm, cu,
+                            num_parts=3, norm_parts=2, head_dim=8 * block_c // 4,
+                            block_c=block_c)  # fmt: skip
 
 
 @pytest.mark.parametrize("dt", ["fp32", "bf16"])
@@ -413,7 +431,9 @@ def test_reference_prefill_in_place_matches_out_of_place():
     args = _kda_inputs(lens, H, K, K, g)
     kw = dict(lower_bound=-5.0, scale=K**-0.5, cu_seqlens=_cu(lens))
     o_ref, S_ref = R.kda_core(*args, initial_state=h0, chunked=True, **kw)
-    o = R.kda_prefill_(*args, state_pool=state_of(state_buf), slots=slots, warm=warm, **kw)
+    q, k = R.l2norm(args[0]), R.l2norm(args[1])  # as the conv leaves them
+    o = R.kda_prefill_(q, k, *args[2:], state_pool=state_of(state_buf), slots=slots, warm=warm,
+                       **kw)  # fmt: skip
     assert torch.equal(o, o_ref) and torch.equal(state_of(state_buf)[slots], S_ref)
     x, w = torch.randn(sum(lens), C, generator=g), torch.randn(C, W, generator=g)
     y_ref, s_ref = R.short_conv(x, w, c0, _cu(lens))
@@ -443,7 +463,8 @@ def test_fla_kda_prefill_in_place_matches_chunk_kda(dt):
     kw = dict(lower_bound=-5.0, scale=K**-0.5, cu_seqlens=_cu(lens))
     o_ref, S_ref = fla.kda_prefill(*args, initial_state=h0, **kw)
     before = buf.clone()
-    o = fla.kda_prefill_(*args, state_pool=state_of(buf), slots=slots, warm=warm, **kw)
+    qk = [R.l2norm(t).to(dtype).cuda() for t in (q, k)]  # as the conv leaves them
+    o = fla.kda_prefill_(*qk, *args[2:], state_pool=state_of(buf), slots=slots, warm=warm, **kw)
     assert o.dtype == dtype and o.shape == o_ref.shape
     assert_close("o", o_ref, o, rel_rms=TOLERANCES[("o", dtype)][0])
     assert_close("state", S_ref, state_of(buf)[slots], rel_rms=TOLERANCES[("state", dtype)][0])
