@@ -219,8 +219,7 @@ def grouped_gemm_kernel(xa_desc, xb_desc, w_desc, x_ptr, tok_ptr, stride_x, out_
 
 DEFAULT_CONFIGS = {
     "decode": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4),
-    "prefill": dict(block_m=64, block_t=32, block_n=128, block_k=64, num_warps=4, num_stages=2,
-                    act=True),
+    "prefill": dict(block_m=64, block_t=32, block_n=128, block_k=64, num_warps=4, num_stages=2),
 }
 # This kernel's and the W4A16 kernel's tuned launches (`k3kernels.tuned`): tables "bf16" and
 # "mxfp4", keys "<regime> N=<n> K=<k> rows/expert=<r>" (`table_key`), fallbacks "prefill" and
@@ -352,7 +351,8 @@ def fusions(num_rows: int, num_experts: int, n: int, k: int, dtype: torch.dtype)
     if dtype != torch.bfloat16:
         return {"gather": False, "act": False}
     cfg = launch_config(num_rows, num_experts, _table(dtype), nk=(n, k))
-    return {"gather": bool(cfg.get("gather", False)), "act": bool(cfg.get("act", False))}
+    act = cfg.get("act", regime(num_rows, num_experts) == "prefill")
+    return {"gather": bool(cfg.get("gather", False)), "act": bool(act)}
 
 
 def _table(dtype: torch.dtype) -> str:
