@@ -96,6 +96,20 @@ def test_stage_busy_intervals_are_bounded(mini_model_dir, monkeypatch):
     assert len(stage.stats()["busy"]) == 2
 
 
+def test_stage_warms_up_its_layers_for_its_largest_batch(mini_model_dir, monkeypatch):
+    """A pipeline stage tunes what its kernels tune by batch size before its first batch, as
+    the single-device runner does (fla's gated norm on a GPU: a cold job's 2.7 s step).
+    Checked: without the stage's `warm_up` call, `calls` stays empty."""
+    from k3batch.model import K3Model
+
+    calls = []
+    monkeypatch.setattr(K3Model, "warm_up", lambda self, tokens: calls.append(tokens))
+    layers = K3Config.from_hf(mini_model_dir).num_hidden_layers
+    PrefillStageActor(mini_model_dir, (1, layers), rank=1, num_stages=2, engine_config=CFG,
+                      device="cpu", dtype=torch.float32)  # fmt: skip
+    assert calls == [CFG.batch_tokens(False)]
+
+
 def test_decode_rank_refuses_to_decode_after_a_lost_handoff(cluster, mini_model_dir):
     """Old code: a failed import_request (nobody waits for it) left the rank decoding from a
     cache without the request: silently wrong tokens instead of a replica rebuild.
