@@ -6,7 +6,7 @@ Steps: `sort_slots` orders the T k token slots by expert (with Triton, the count
 `route.py`); the slots' input rows are gathered ([M, D], M = T k), or read by index in the next
 GEMM where its tuned launch says so; one grouped GEMM with the fused gate-up weights w13
 [E, 2 I, D] gives [M, 2 I] and `moe_act` [M, I], or the GEMM applies the activation itself
-where its launch says so (`grouped_gemm_triton.fusions`: by default at bf16 prefill); a grouped
+where its launch says so (`grouped_gemm_triton.fusions`); a grouped
 GEMM with w2 [E, D, I] gives [M, D]; `moe_combine`
 sums each token's k rows times its router weights in fp32 (and may cast the sum and add the
 shared expert's output in the same pass). For the Gluon W4A16 decode kernel

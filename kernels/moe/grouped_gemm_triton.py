@@ -47,7 +47,9 @@ With `act` the gate-up GEMM applies the gated activation to its fp32 sums: each 
 a tile of gate rows and the matching tile of up rows and stores act(gate, up), so the pass
 writes [T k, I] once where it wrote [T k, 2 I], read it back and wrote [T k, I] in `moe_act`
 (Kimi Linear's 8K prefill: 0.8 GB a layer; the act kernel alone ran at 96% of the copy
-bandwidth, about 0.1 ms a layer). On by default at prefill, and a tuned choice ("act").
+bandwidth, about 0.1 ms a layer). Each program keeps two accumulators of block_n / 2 columns,
+so a tile tuned for the unfused GEMM keeps its registers and shared memory. Like the gather, a
+tuned choice ("act"): not yet timed on a GPU, so off until a sweep picks it.
 Runs under TRITON_INTERPRET=1 on CPU.
 Shape legend: M sorted rows, K input width, N output width, E experts, T tokens.
 """
@@ -346,13 +348,12 @@ def fusions(num_rows: int, num_experts: int, n: int, k: int, dtype: torch.dtype)
     num_experts experts, n outputs, k inputs) folds in: {"gather": it reads its rows of x by
     index (`rows_M`) rather than from a gathered copy, "act": it applies the gated activation
     (`act`) rather than leaving it to `moe_act`}. Each is the table's, chosen by `bench moe
-    --sweep` against the separate pass; the regime's default where no entry says (gather off;
-    act on at prefill), and both off for every dtype but bf16 (no table)."""
+    --sweep` against the separate pass; off where no entry says, and for every dtype but bf16
+    (no table)."""
     if dtype != torch.bfloat16:
         return {"gather": False, "act": False}
     cfg = launch_config(num_rows, num_experts, _table(dtype), nk=(n, k))
-    act = cfg.get("act", regime(num_rows, num_experts) == "prefill")
-    return {"gather": bool(cfg.get("gather", False)), "act": bool(act)}
+    return {"gather": bool(cfg.get("gather", False)), "act": bool(cfg.get("act", False))}
 
 
 def _table(dtype: torch.dtype) -> str:

@@ -322,10 +322,10 @@ def test_chunk_state_kernel_in_place_matches_reference_gpu(dt):
     _chunk_state_case([1000, 64, 37], [1, 0, 1], 4, 128, 128, 64, dtype, 32, "cuda")
 
 
-def _conv_case(lens, warm, C, dtype, block_t, block_c, device):
+def _conv_case(lens, warm, C, dtype, block_t, block_c, device, **parts):
     """The conv_prefill kernel against `reference.short_conv_prefill_` (on the CPU: cuDNN's
     fp32 conv may use TF32): y within tolerance, the conv state exact, every other byte of the
-    buffer untouched."""
+    buffer untouched. parts: num_parts, norm_parts, head_dim of both."""
     from k3kernels.kda.conv_prefill import short_conv_prefill_
 
     g = torch.Generator().manual_seed(sum(lens) + C)
@@ -334,9 +334,9 @@ def _conv_case(lens, warm, C, dtype, block_t, block_c, device):
     x = torch.randn(sum(lens), C, generator=g).to(dtype)
     w = torch.randn(C, W, generator=g) * 0.5
     ref_buf, before, cu = buf.to("cpu", copy=True), buf.clone(), _cu(lens)
-    y_ref = R.short_conv_prefill_(x, w, conv_of(ref_buf), slots.cpu(), warm.cpu(), cu)
+    y_ref = R.short_conv_prefill_(x, w, conv_of(ref_buf), slots.cpu(), warm.cpu(), cu, **parts)
     y = short_conv_prefill_(x.to(device), w.to(device), conv_of(buf), slots, warm, cu,
-                            block_t=block_t, block_c=block_c)  # fmt: skip
+                            block_t=block_t, block_c=block_c, **parts)  # fmt: skip
     assert y.dtype == dtype
     rel_rms = TOLERANCES[("conv_y", dtype)][0]
     if device == "cpu" and dtype == torch.bfloat16:  # interpreted (tests/conftest.py)
@@ -409,12 +409,16 @@ def test_conv_prefill_kernel_in_place_matches_reference(dt):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dt", ["bf16", "fp32"])
-def test_conv_prefill_kernel_in_place_matches_reference_gpu(dt):
-    """K3 width (96 heads of 128), default blocks."""
+@pytest.mark.parametrize("qk", ["plain", "qk-normed"])
+def test_conv_prefill_kernel_in_place_matches_reference_gpu(dt, qk):
+    """K3 width (96 heads of 128; qk-normed: as Kimi Linear's model runs it, q | k | v of 32
+    heads each, q and k L2-normed per head), default blocks."""
     from k3kernels.kda.conv_prefill import BLOCK_C, BLOCK_T
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dt]
-    _conv_case([1000, 64, 37, 2, 1], [1, 0, 1, 1, 0], 96 * 128, dtype, BLOCK_T, BLOCK_C, "cuda")
+    parts = dict(num_parts=3, norm_parts=2, head_dim=128) if qk == "qk-normed" else {}
+    _conv_case([1000, 64, 37, 2, 1], [1, 0, 1, 1, 0], 96 * 128, dtype, BLOCK_T, BLOCK_C, "cuda",
+               **parts)  # fmt: skip
 
 
 def test_reference_prefill_in_place_matches_out_of_place():
