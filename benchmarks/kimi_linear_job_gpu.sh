@@ -20,6 +20,13 @@ experts=mxfp4
 [ "$(python3 -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)')" -ge 120 ] \
   && experts=bf16
 left() { echo $((budget - (SECONDS - t0))); }
+# a sweep's 12 fastest rows (fastest first; a bf16 prefill sweep has each tile with and without
+# its folds, so both ways of the best tiles stay in the log), then the row the table took
+best_rows() {
+  local f; f=$(mktemp); cat > "$f"
+  awk -F'|' '!/^tuned table/ && NF > 3 && $2 + 0 > 0' "$f" | sort -t'|' -k2,2g | head -12
+  grep '^tuned table' "$f"; rm -f "$f"
+}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ $parts == *tests* ]]; then
   echo "=== tests ($(left) s left)"
@@ -47,7 +54,7 @@ if [[ $parts == *tune* ]]; then
       read -r _ dtype tokens <<<"$row"
       timeout 120 python3 -m k3batch.cli bench moe --flavor kimi-linear --layers 2 \
         --tokens "$tokens" --expert-dtype "$dtype" --repeats 5 --rounds 2 --sweep --save-tuned \
-        --json /tmp/moe_kimi_linear_sweep.jsonl 2>&1 | grep -v Warning | tail -8
+        --json /tmp/moe_kimi_linear_sweep.jsonl 2>&1 | grep -v Warning | best_rows
     else
       timeout 110 python3 -m k3batch.cli bench $row --sweep --save-tuned \
         --json /tmp/kernel_sweeps_kimi_linear.jsonl 2>&1 | grep -v Warning | tail -3
