@@ -15,13 +15,16 @@ keeps one for the engine alone too): steps and their seconds by kind, the decode
 run with room for more requests and none waiting, time between steps with work to do (adding
 requests, callbacks: the host's, while the device idles once its queued step is done), time
 with nothing to run (no rows), and the slowest steps (a compile or an autotune in a step
-shows there).
+shows there), each with the Triton kernels compiled since the step before
+(`engine.compiles`).
 """
 
 import heapq
 import queue
 import threading
 import time
+
+from k3batch.engine import compiles
 
 
 class StepAccount:
@@ -41,9 +44,13 @@ class StepAccount:
         self.idle_s = 0.0  # after the first step: nothing to run, waiting for requests
         self.first_step_at: float | None = None  # Unix time the first step started
         self.last_step_at: float | None = None  # Unix time the last step ended
-        self._slowest: list = []  # min-heap of (seconds, since the first step, kind, requests)
+        # min-heap of (seconds, since the first step, kind, requests, {kernel: compiles})
+        self._slowest: list = []
         self._start = self._end = None  # perf_counter: the first step's start, the last's end
         self._idle = 0.0  # idle time since the last step
+        self.compiles = 0  # Triton kernels compiled during or between steps
+        compiles.watch()
+        compiles.take()  # the start-up's (warm-up, graph capture) are not a step's
 
     def idle(self, seconds: float) -> None:
         """The engine waited `seconds` for requests with nothing to run."""
@@ -70,7 +77,9 @@ class StepAccount:
             self.decode_rows += running
         if running < self.max_num_seqs and not waiting:
             self.room_steps += 1
-        entry = (seconds, start - self._start, kind, running)
+        compiled = compiles.take()
+        self.compiles += sum(compiled.values())
+        entry = (seconds, start - self._start, kind, running, compiled)
         if len(self._slowest) < self.SLOWEST:
             heapq.heappush(self._slowest, entry)
         elif seconds > self._slowest[0][0]:
@@ -89,9 +98,11 @@ class StepAccount:
             "idle_s": round(self.idle_s, 4),
             "first_step_at": self.first_step_at,
             "last_step_at": self.last_step_at,
+            "compiles": self.compiles,
             "slowest": [
                 {"s": round(s, 4), "at_s": round(at, 3), "kind": kind, "requests": n}
-                for s, at, kind, n in slowest
+                | ({"compiled": compiled} if compiled else {})
+                for s, at, kind, n, compiled in slowest
             ],
         }
 
@@ -107,11 +118,22 @@ def account_line(acct: dict) -> str:
         f"{acct['max_num_seqs']}; {acct['room_steps']} steps with room and none waiting), "
         f"between steps {acct['between_s']:.2f} s, no rows {acct['idle_s']:.2f} s"
     )
+    if acct.get("compiles"):
+        line += f", {acct['compiles']} kernels compiled"
     if acct["slowest"]:
         line += "; slowest: " + ", ".join(
-            f"{s['kind']} {s['s'] * 1e3:.0f} ms at {s['at_s']:.1f} s" for s in acct["slowest"][:3]
+            f"{s['kind']} {s['s'] * 1e3:.0f} ms at {s['at_s']:.1f} s" + _compiled(s)
+            for s in acct["slowest"][:3]
         )
     return line
+
+
+def _compiled(step: dict) -> str:
+    """" (compiled: name xN, ...)" of a slowest step's compiles, or ""."""
+    names = step.get("compiled")
+    if not names:
+        return ""
+    return " (compiled: " + ", ".join(f"{k} x{n}" for k, n in sorted(names.items())) + ")"
 
 
 class EngineServer:

@@ -37,6 +37,52 @@ def test_account_keeps_the_five_slowest_steps():
     assert [s["s"] for s in a.to_dict()["slowest"]] == [9, 8, 7, 6, 5]
 
 
+def _compile(name):
+    """What Triton does after compiling a launch: call the post-compile hook."""
+    from triton import knobs
+
+    knobs.runtime.jit_post_compile_hook(key=None, repr=name, fn=SimpleNamespace(name=name),
+                                        compile={}, is_manual_warmup=False,
+                                        already_compiled=False)  # fmt: skip
+
+
+def test_slowest_steps_name_the_kernels_compiled_in_them():
+    """A cold job's slow step said nothing of why (one 2.9 s prefill step on an H100); the
+    account now names the Triton kernels compiled since the step before, and counts them.
+    Compiles before the account exists (the start-up's warm-up) belong to no step."""
+    from k3batch.engine import compiles
+
+    compiles.watch()
+    _compile("warm_up_kernel")
+    a = StepAccount(max_num_seqs=1)
+    a.step(0.0, 0.1, prefill=True, running=1, waiting=0)
+    _compile("conv_kernel")
+    _compile("conv_kernel")
+    _compile("gemm_kernel")
+    a.step(1.0, 2.9, prefill=True, running=1, waiting=0)
+    a.step(4.0, 0.2, prefill=False, running=1, waiting=0)
+    d = a.to_dict()
+    assert d["compiles"] == 3
+    assert d["slowest"][0]["compiled"] == {"conv_kernel": 2, "gemm_kernel": 1}
+    assert all("compiled" not in s for s in d["slowest"][1:])
+    assert "3 kernels compiled; slowest: prefill 2900 ms at 1.0 s (compiled: conv_kernel x2, " \
+        "gemm_kernel x1), decode 200 ms" in account_line(d)
+
+
+def test_compile_watch_keeps_a_hook_already_there(monkeypatch):
+    from triton import knobs
+
+    from k3batch.engine import compiles
+
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append(kw))
+    monkeypatch.setattr(compiles, "_watching", False)
+    assert compiles.watch() and compiles.watch()  # a second watch adds no second count
+    compiles.take()
+    _compile("k")
+    assert compiles.take() == {"k": 1} and len(seen) == 1 and compiles.take() == {}
+
+
 class _Engine:
     """A request finishes after `max_new_tokens` steps of 2 ms; every step a decode step."""
 
