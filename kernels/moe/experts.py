@@ -121,7 +121,12 @@ def pick_gemm(w13, w2, num_rows: int, x_TD, gemm_impl: str):
         if gemm_impl == "auto" and all(G.supported(x_TD, w, num_rows) for w in (w13, w2)):
             return partial(G.grouped_mm_mxfp4_decode, interleaved=True, parts=None), True, \
                 NO_FUSION  # fmt: skip
-        return grouped_mm_mxfp4, False, NO_FUSION
+        from k3kernels.moe.grouped_gemm_triton import launch_config
+
+        # the W4A16 kernel reads x by pointer loads: by index unless its table says not to
+        E, F, D = w13.shape
+        gather = launch_config(num_rows, E, "mxfp4", nk=(F, D)).get("gather", True)
+        return grouped_mm_mxfp4, False, {"gather": bool(gather), "act": False}
     if gemm_impl == "auto" and not x_TD.is_cuda:  # the CPU path imports no Triton module
         gemm_impl = "torch"
     if gemm_impl == "auto":

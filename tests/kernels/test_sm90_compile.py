@@ -42,15 +42,15 @@ def test_sass_report_compiles_as_the_launcher_would(tmp_path):
     """The decode tile of the W4A16 kernel, with the alignment Triton's launcher tells the
     compiler at K3 widths: 16-byte loads and no local memory. Without the hints the same
     spec compiles to byte loads and spills (255 registers), which `--sass` once reported."""
-    sig = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16",
-           "offs_ptr": "*i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_qe": "i32",
-           "stride_qn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_out": "i32",
-           "E": "i32"}  # fmt: skip
+    sig = {"x_ptr": "*bf16", "tok_ptr": "*i32", "q_ptr": "*u8", "s_ptr": "*u8",
+           "out_ptr": "*bf16", "offs_ptr": "*i32", "N": "i32", "K": "i32", "stride_x": "i32",
+           "stride_qe": "i32", "stride_qn": "i32", "stride_se": "i32", "stride_sn": "i32",
+           "stride_out": "i32", "E": "i32"}  # fmt: skip
     spec = {"module": "k3kernels.moe.w4a16", "kernel": "w4a16_grouped_kernel",
             "signature": sig, "aligned": [n for n in sig if n != "E"],
             "constexprs": {"GROUP": 32, "BLOCK_M": 16, "BLOCK_T": 0, "BLOCK_N": 128,
-                           "BLOCK_K": 256, "BLOCK_E": 128, "UPCAST": False, "PTX": True,
-                           "EVEN": True, "SMALL_SCALES": True},
+                           "BLOCK_K": 256, "BLOCK_E": 128, "GATHER": False, "UPCAST": False,
+                           "PTX": True, "EVEN": True, "SMALL_SCALES": True},
             "num_warps": 4, "num_stages": 3}  # fmt: skip
     report = _compile([spec], tmp_path, "--sass")
     regs = int(report.split(" registers")[0].split()[-1])

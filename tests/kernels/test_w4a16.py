@@ -38,6 +38,10 @@ def _check_grouped_mm_mxfp4(device, M=150, K=64, N=40, tol_bf16=5e-3, big=False,
         out = grouped_mm_mxfp4(xd, wq, offs, **blocks)[:cut]
         ref = grouped_mm_mxfp4_reference(xd, wq, offs)
         assert_close(f"grouped_mm_mxfp4_{dtype}", ref, out, rel_rms=tol)
+        # the rows read by index from a [T, K] x (repeated, any order): the same rows' bits
+        rows = torch.randint(0, M // 3, (M,), generator=g).to(device)
+        got = grouped_mm_mxfp4(xd[: M // 3], wq, offs, rows, **blocks)[:cut]
+        assert torch.equal(got, grouped_mm_mxfp4(xd[rows], wq, offs, **blocks)[:cut]), dtype
 
 
 # ---- CPU, default suite --------------------------------------------------------------------
