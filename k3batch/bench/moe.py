@@ -147,16 +147,19 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
 
         return run
 
-    def gemm_swept(cfg):
-        """A swept bf16 launch as the pass runs it, from x to the down GEMM's output: the
-        gate-up GEMM's rows gathered first (index_select) or, with "gather", read by index in
-        the GEMM; the activation after it (`moe_act`) or, with "act", in it; then the down
-        GEMM. So each way is timed with the work it leaves to a pass of its own."""
+    def gemm_swept(cfg, gemm_fn=grouped_mm_triton, weights=None):
+        """A swept prefill launch (bf16, or the W4A16 kernel's on `weights`, the packed pairs)
+        as the pass runs it, from x to the down GEMM's output: the gate-up GEMM's rows gathered
+        first (index_select) or, with "gather", read by index in the GEMM; the activation after
+        it (`moe_act`) or, with "act", in it; then the down GEMM. So each way is timed with the
+        work it leaves to a pass of its own."""
         fold = {name: cfg.get(name, False) for name in ("gather", "act")}
-        gemm = partial(grouped_mm_triton, **{k: v for k, v in cfg.items() if k not in fold})
+        gemm = partial(gemm_fn, **{k: v for k, v in cfg.items() if k not in fold})
+        pairs = weights or [(w13, w2) for _, w13, w2, _, _ in layers]
 
         def run():
-            for (x, w13, w2, _, _), (_, h, offs), tok in zip(layers, sorted_rows, slot_tokens):
+            for (x, _, _, _, _), (w13, w2), (_, h, offs), tok in zip(layers, pairs, sorted_rows,
+                                                                     slot_tokens):  # fmt: skip
                 xs = x if fold["gather"] else x.index_select(0, tok)
                 rows = (xs, w13, offs, tok) if fold["gather"] else (xs, w13, offs)
                 if fold["act"]:
@@ -238,11 +241,18 @@ def moe_throughput(flavor: str = "k3-slice", *, num_tokens: int = 8192, num_laye
                  ("gemm-mxfp4-triton", gemm_mxfp4("triton")),
                  *(row for row in impls if row[0] in beside)]  # fmt: skip
     if sweep:  # the Triton kernel of this weight format over launch configs, as "<impl> {cfg}"
-        gemm = gemm_mxfp4 if expert_dtype == "mxfp4" else gemm_swept
-        name = "gemm-mxfp4" if expert_dtype == "mxfp4" else "gemm-triton"
+        decode = regime(num_tokens * k, config.num_experts) == "decode"
+        if expert_dtype == "bf16":
+            gemm, name = gemm_swept, "gemm-triton"
+        elif decode:
+            gemm, name = gemm_mxfp4, "gemm-mxfp4"
+        else:  # with the folds, as the pass runs them
+            from k3kernels.moe.w4a16 import grouped_mm_mxfp4
+
+            gemm = partial(gemm_swept, gemm_fn=grouped_mm_mxfp4, weights=packed)
+            name = "gemm-mxfp4"
         impls += [(f"{name} {json.dumps(cfg)}", gemm(cfg=cfg))
-                  for cfg in sweep_configs(regime(num_tokens * k, config.num_experts) == "decode",
-                                           bf16=expert_dtype == "bf16")]  # fmt: skip
+                  for cfg in sweep_configs(decode, bf16=expert_dtype == "bf16")]  # fmt: skip
     times = {impl: [] for impl, _ in impls}
     errors = {}
     # The rows in turn, so that a drift of the GPU's clocks over the run does not favour the
@@ -343,8 +353,12 @@ def sweep_configs(decode: bool, bf16: bool = False) -> list[dict]:
         # x 128 (4 warps, 3 stages) 21.2 ms, 128 + 64 22.9, 256-wide columns 78-82 (599b3ae).
         # 128 + 0 and 128 + 64 cover 256 rows an expert exactly (Kimi Linear at 8,192 tokens:
         # 8,192 x 8 / 256). These tiles compile in 1.4-7.9 s each.
+        # Each with its rows read by index (the pass's default), in and out of the
+        # activation; one also from a gathered copy.
         rows = ((128, 0), (128, 32), (128, 64), (64, 0))
-        return [dict(zip(tail_keys, (bm, bt, 128, 128, 4, 3))) for bm, bt in rows]
+        tiles = [dict(zip(tail_keys, (bm, bt, 128, 128, 4, 3))) for bm, bt in rows]
+        return [t | {"gather": True, "act": act} for act in (False, True) for t in tiles] + [
+            tiles[1] | {"gather": False, "act": False}]
     # bf16: 128-input steps (3 stages at most) took 16.5 ms against 15.5-16.2 (fab7054); a
     # 16-row tail 1.21x the best (k3-slice prefill)
     # gather: the gate-up GEMM reads its rows of x by index (pointer loads, not TMA) instead of

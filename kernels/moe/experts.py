@@ -123,10 +123,12 @@ def pick_gemm(w13, w2, num_rows: int, x_TD, gemm_impl: str):
                 NO_FUSION  # fmt: skip
         from k3kernels.moe.grouped_gemm_triton import launch_config
 
-        # the W4A16 kernel reads x by pointer loads: by index unless its table says not to
+        # the W4A16 kernel reads x by pointer loads: by index unless its table says not to;
+        # the activation in it where its table says so
         E, F, D = w13.shape
-        gather = launch_config(num_rows, E, "mxfp4", nk=(F, D)).get("gather", True)
-        return grouped_mm_mxfp4, False, {"gather": bool(gather), "act": False}
+        cfg = launch_config(num_rows, E, "mxfp4", nk=(F, D))
+        return grouped_mm_mxfp4, False, {"gather": bool(cfg.get("gather", True)),
+                                         "act": bool(cfg.get("act", False))}  # fmt: skip
     if gemm_impl == "auto" and not x_TD.is_cuda:  # the CPU path imports no Triton module
         gemm_impl = "torch"
     if gemm_impl == "auto":

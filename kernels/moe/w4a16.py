@@ -70,7 +70,9 @@ import triton
 import triton.language as tl
 
 from k3kernels import INTERPRETED
+from k3kernels.moe.act import gated
 from k3kernels.moe.grouped_gemm_triton import (
+    ACTS,
     block_e,
     launch_config,
     num_tile_slots,
@@ -180,37 +182,41 @@ def _per_byte(s, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
 
 @triton.jit
 def w4a16_grouped_kernel(x_ptr, tok_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, stride_x,
-                         stride_qe, stride_qn, stride_se, stride_sn, stride_out, E,
-                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                         GATHER: tl.constexpr, UPCAST: tl.constexpr, PTX: tl.constexpr,
-                         EVEN: tl.constexpr, SMALL_SCALES: tl.constexpr):  # fmt: skip
+                         stride_qe, stride_qn, stride_se, stride_sn, stride_out, E, beta,
+                         linear_beta, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_E: tl.constexpr, GATHER: tl.constexpr, ACT: tl.constexpr,
+                         UPCAST: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr,
+                         SMALL_SCALES: tl.constexpr):  # fmt: skip
+    """N: the output's columns; with ACT, the weights hold 2 N rows an expert (gate, then up)."""
     expert, first, n_block = program_tile(offs_ptr, E, N, BLOCK_M, BLOCK_N, BLOCK_E)
     if expert < E:
         rows = tl.load(offs_ptr + expert) - first
         if BLOCK_T > 0 and rows <= BLOCK_T:  # an expert's last tile, of few rows
             _w4a16_tile(x_ptr, tok_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, stride_x,
                         stride_qe, stride_qn, stride_se, stride_sn, stride_out, expert, first,
-                        n_block, GROUP, BLOCK_T, BLOCK_N, BLOCK_K, GATHER, UPCAST, PTX, EVEN,
-                        SMALL_SCALES)  # fmt: skip
+                        n_block, beta, linear_beta, GROUP, BLOCK_T, BLOCK_N, BLOCK_K, GATHER,
+                        ACT, UPCAST, PTX, EVEN, SMALL_SCALES)  # fmt: skip
         else:
             _w4a16_tile(x_ptr, tok_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, stride_x,
                         stride_qe, stride_qn, stride_se, stride_sn, stride_out, expert, first,
-                        n_block, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, UPCAST, PTX, EVEN,
-                        SMALL_SCALES)  # fmt: skip
+                        n_block, beta, linear_beta, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GATHER,
+                        ACT, UPCAST, PTX, EVEN, SMALL_SCALES)  # fmt: skip
 
 
 @triton.jit
 def _w4a16_tile(x_ptr, tok_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, stride_x, stride_qe,
-                stride_qn, stride_se, stride_sn, stride_out, expert, first, n_block,
-                GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, GATHER: tl.constexpr, UPCAST: tl.constexpr,
-                PTX: tl.constexpr, EVEN: tl.constexpr, SMALL_SCALES: tl.constexpr):  # fmt: skip
+                stride_qn, stride_se, stride_sn, stride_out, expert, first, n_block, beta,
+                linear_beta, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, GATHER: tl.constexpr, ACT: tl.constexpr,
+                UPCAST: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr,
+                SMALL_SCALES: tl.constexpr):  # fmt: skip
     """out[rows, cols] of the program's tile: BLOCK_M rows from first (those below the
-    expert's end) times BLOCK_N columns of its weights; GATHER: row r reads x's row tok[r]."""
+    expert's end) times BLOCK_N columns of its weights; GATHER: row r reads x's row tok[r].
+    ACT (1 SiTU, 2 SwiGLU): act(gate, up) of the columns' gate rows and their up rows (N
+    further), each with an accumulator of its own."""
     rows, cols, row_ok, col_ok = tile_rows_cols(first, offs_ptr, expert, n_block, N, BLOCK_M,
                                                 BLOCK_N)  # fmt: skip
-    jj = tl.arange(0, BLOCK_K // 2)  # byte within the tile: inputs 2 jj and 2 jj + 1
     kk = tl.arange(0, BLOCK_K)
     if GATHER:
         x_idx = tl.load(tok_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -220,38 +226,11 @@ def _w4a16_tile(x_ptr, tok_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, stride_x,
     q_cols = q_ptr + expert.to(tl.int64) * stride_qe + cols.to(tl.int64) * stride_qn
     s_cols = s_ptr + expert.to(tl.int64) * stride_se + cols.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if ACT > 0:
+        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if PTX:  # bf16 activations on the GPU
-            # Weight tiles [BLOCK_K / 2, BLOCK_N], indices written so that the compiler
-            # sees contiguous runs (vector loads): bytes k0/2 + jj, inputs k0 + kk.
-            q_ptrs = q_cols[None, :] + (k0 // 2 + jj)[:, None]
-            if EVEN:
-                q = tl.load(q_ptrs)
-            else:
-                q = tl.load(q_ptrs, mask=(k0 // 2 + jj < K // 2)[:, None] & col_ok[None, :],
-                            other=0)  # fmt: skip
-            # one scale row per group, as bf16 pairs (s + 126) << 7 in both halves: 2^(s - 1)
-            # (the unpacking's 2^-126 folded in), spread over the group's bytes
-            gg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            s_ptrs = s_cols[None, :] + gg[:, None]
-            g_ok = (gg < tl.cdiv(K, GROUP))[:, None] & col_ok[None, :]
-            if EVEN:
-                s = tl.load(s_ptrs).to(tl.int32)
-            else:
-                s = tl.load(s_ptrs, mask=g_ok, other=127).to(tl.int32)
-            if SMALL_SCALES:
-                pair = s * 0x00800080 + 0x3F003F00
-            else:  # 2^126 there, then 2^(s - 127) (s = 0: a subnormal) as a second product
-                s_exact = tl.where(s > 0, s << 7, 64).to(tl.int16).to(tl.bfloat16,
-                                                                      bitcast=True)
-                pair = tl.full(s.shape, 0x7E807E80, tl.int32)
-            w_even, w_odd = _e2m1_words_bf16(q, _per_byte(pair, GROUP, BLOCK_N, BLOCK_K))
-            if not SMALL_SCALES:
-                s_exact = _per_byte(s_exact, GROUP, BLOCK_N, BLOCK_K)
-                w_even, w_odd = w_even * s_exact, w_odd * s_exact
-        else:
-            w_even, w_odd = _words_fp32(q_cols, k0, col_ok, s_cols, K, GROUP, BLOCK_K,
-                                        BLOCK_N)  # fmt: skip
+        w_even, w_odd = _weight_tile(q_cols, s_cols, k0, col_ok, K, GROUP, BLOCK_N, BLOCK_K,
+                                     PTX, EVEN, SMALL_SCALES)  # fmt: skip
         if EVEN:
             xmask = row_ok[:, None]
         else:
@@ -260,23 +239,84 @@ def _w4a16_tile(x_ptr, tok_ptr, q_ptr, s_ptr, out_ptr, offs_ptr, N, K, stride_x,
         x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
         if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers
             x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
-        else:
-            w_even, w_odd = w_even.to(x_even.dtype), w_odd.to(x_odd.dtype)
-        acc = tl.dot(x_even, w_even, acc)
-        acc = tl.dot(x_odd, w_odd, acc)
+        acc = tl.dot(x_even, w_even.to(x_even.dtype), acc)
+        acc = tl.dot(x_odd, w_odd.to(x_odd.dtype), acc)
+        if ACT > 0:
+            w_even, w_odd = _weight_tile(q_cols + N * stride_qn, s_cols + N * stride_sn, k0,
+                                         col_ok, K, GROUP, BLOCK_N, BLOCK_K, PTX, EVEN,
+                                         SMALL_SCALES)  # fmt: skip
+            up = tl.dot(x_even, w_even.to(x_even.dtype), up)
+            up = tl.dot(x_odd, w_odd.to(x_odd.dtype), up)
+    if ACT > 0:
+        acc = gated(acc, up, beta, linear_beta, ACT == 1, PTX)
     o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _weight_tile(q_cols, s_cols, k0, col_ok, K, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr,
+                 SMALL_SCALES: tl.constexpr):  # fmt: skip
+    """The weights of the even and odd inputs [BLOCK_K / 2, BLOCK_N] of the columns at q_cols
+    (packed bytes) and s_cols (scales) from input k0: bf16 by the PTX unpacking (bf16
+    activations on the GPU), else fp32 by the integer path."""
+    if PTX:
+        w_even, w_odd = _words_bf16(q_cols, s_cols, k0, col_ok, K, GROUP, BLOCK_N, BLOCK_K,
+                                    EVEN, SMALL_SCALES)  # fmt: skip
+    else:
+        w_even, w_odd = _words_fp32(q_cols, k0, col_ok, s_cols, K, GROUP, BLOCK_K, BLOCK_N)
+    return w_even, w_odd
+
+
+@triton.jit
+def _words_bf16(q_cols, s_cols, k0, col_ok, K, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, EVEN: tl.constexpr, SMALL_SCALES: tl.constexpr):  # fmt: skip
+    """The PTX path of `_weight_tile`: the tile's packed bytes and scales unpacked by
+    `_e2m1_words_bf16`."""
+    # Weight tiles [BLOCK_K / 2, BLOCK_N], indices written so that the compiler sees
+    # contiguous runs (vector loads): bytes k0/2 + jj.
+    jj = tl.arange(0, BLOCK_K // 2)  # byte within the tile: inputs 2 jj and 2 jj + 1
+    q_ptrs = q_cols[None, :] + (k0 // 2 + jj)[:, None]
+    if EVEN:
+        q = tl.load(q_ptrs)
+    else:
+        q = tl.load(q_ptrs, mask=(k0 // 2 + jj < K // 2)[:, None] & col_ok[None, :], other=0)
+    # one scale row per group, as bf16 pairs (s + 126) << 7 in both halves: 2^(s - 1)
+    # (the unpacking's 2^-126 folded in), spread over the group's bytes
+    gg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    s_ptrs = s_cols[None, :] + gg[:, None]
+    g_ok = (gg < tl.cdiv(K, GROUP))[:, None] & col_ok[None, :]
+    if EVEN:
+        s = tl.load(s_ptrs).to(tl.int32)
+    else:
+        s = tl.load(s_ptrs, mask=g_ok, other=127).to(tl.int32)
+    if SMALL_SCALES:
+        pair = s * 0x00800080 + 0x3F003F00
+    else:  # 2^126 there, then 2^(s - 127) (s = 0: a subnormal) as a second product
+        s_exact = tl.where(s > 0, s << 7, 64).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        pair = tl.full(s.shape, 0x7E807E80, tl.int32)
+    w_even, w_odd = _e2m1_words_bf16(q, _per_byte(pair, GROUP, BLOCK_N, BLOCK_K))
+    if not SMALL_SCALES:
+        s_exact = _per_byte(s_exact, GROUP, BLOCK_N, BLOCK_K)
+        w_even, w_odd = w_even * s_exact, w_odd * s_exact
+    return w_even, w_odd
+
+
 def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
-                     rows_M: torch.Tensor | None = None, **config) -> torch.Tensor:  # fmt: skip
+                     rows_M: torch.Tensor | None = None, act: str | None = None,
+                     beta: float = 4.0, linear_beta: float = 25.0,
+                     **config) -> torch.Tensor:  # fmt: skip
     """out[r] = x[r] @ dequantize(w[e]).T for the rows r of group e; x [M, K] (unit last
     stride), w: packed [E, N, K/2] (word layout) and scale [E, N, ceil(K/32)] uint8 with unit
     last strides, K a multiple of 8, offs [E] int32 cumulative group ends. Rows after offs[-1]
     are left unwritten. rows_M ([M] int, the sorted rows' rows of x): out[r] = x[rows[r]] @ ...
     instead, x [T, K]: the kernel reads x by pointer loads anyway, so reading each row by index
     costs it one index load per tile and saves the pass a gathered copy of x (a read and a
-    write of [T k, D]: 5.6 ms of Kimi Linear's 8K prefill on an H100). config: block_m,
+    write of [T k, D]: 5.6 ms of Kimi Linear's 8K prefill on an H100). act ("situ" or "silu",
+    with beta and linear_beta as `moe_act`): w holds gate rows [0, N/2) and up rows [N/2, N)
+    an expert and out [M, N/2] = act(gate, up) of the fp32 sums, each program unpacking the
+    gate and the up tile of block_n / 2 columns (`grouped_gemm_triton.grouped_mm_triton`'s
+    act, the same accumulator size as the unfused tile). config: block_m,
     block_t, block_n, block_k, num_warps, num_stages (default `launch_config`); block_t (0:
     none): an expert's last tile, when it has at most block_t rows, is computed as a tile of
     block_t rows instead of block_m."""
@@ -287,9 +327,16 @@ def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
     if w.packed.stride(-1) != 1 or w.scale.stride(-1) != 1 or K % 8:
         raise ValueError(f"MXFP4 packed values and scales need unit last strides and a width "
                          f"that is a multiple of 8 (K = {K})")  # fmt: skip
+    if act is not None and (act not in ACTS or N % 2):
+        raise ValueError(f"grouped_mm_mxfp4's act is one of {', '.join(ACTS)} over an even "
+                         f"number of weight rows (gate, then up); got {act!r} and {N} "
+                         f"rows")  # fmt: skip
     gather = rows_M is not None
     M = rows_M.shape[0] if gather else x_MK.shape[0]
     cfg = launch_config(M, E, "mxfp4", nk=(N, K)) | config
+    block_n = cfg["block_n"]
+    if act is not None:  # the output's columns, each program's from two tiles of block_n rows
+        N, block_n = N // 2, block_n // 2
     if cfg["block_k"] % GROUP_SIZE:
         raise ValueError(f"block_k = {cfg['block_k']} must be a multiple of {GROUP_SIZE}")
     block_t = cfg.get("block_t", 0)
@@ -298,16 +345,16 @@ def grouped_mm_mxfp4(x_MK: torch.Tensor, w: MXFP4Weight, offs_E: torch.Tensor,
     out = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
     if M == 0:
         return out
-    grid = (num_tile_slots(M, E, cfg["block_m"]) * triton.cdiv(N, cfg["block_n"]),)
+    grid = (num_tile_slots(M, E, cfg["block_m"]) * triton.cdiv(N, block_n),)
     w4a16_grouped_kernel[grid](
         x_MK, rows_M if gather else offs_E, w.packed, w.scale, out, offs_E, N, K, x_MK.stride(0),
         w.packed.stride(0), w.packed.stride(1), w.scale.stride(0), w.scale.stride(1),
-        out.stride(0), E, GROUP=GROUP_SIZE, BLOCK_M=cfg["block_m"],
-        BLOCK_T=block_t, BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"], BLOCK_E=block_e(E), GATHER=gather,
+        out.stride(0), E, float(beta), float(linear_beta), GROUP=GROUP_SIZE,
+        BLOCK_M=cfg["block_m"], BLOCK_T=block_t, BLOCK_N=block_n,
+        BLOCK_K=cfg["block_k"], BLOCK_E=block_e(E), GATHER=gather, ACT=ACTS.get(act, 0),
         UPCAST=INTERPRETED and x_MK.dtype != torch.float32,
         PTX=not INTERPRETED and x_MK.dtype == torch.bfloat16,
-        EVEN=K % cfg["block_k"] == 0 and N % cfg["block_n"] == 0, SMALL_SCALES=w.small_scales,
+        EVEN=K % cfg["block_k"] == 0 and N % block_n == 0, SMALL_SCALES=w.small_scales,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out

@@ -45,11 +45,11 @@ def test_sass_report_compiles_as_the_launcher_would(tmp_path):
     sig = {"x_ptr": "*bf16", "tok_ptr": "*i32", "q_ptr": "*u8", "s_ptr": "*u8",
            "out_ptr": "*bf16", "offs_ptr": "*i32", "N": "i32", "K": "i32", "stride_x": "i32",
            "stride_qe": "i32", "stride_qn": "i32", "stride_se": "i32", "stride_sn": "i32",
-           "stride_out": "i32", "E": "i32"}  # fmt: skip
+           "stride_out": "i32", "E": "i32", "beta": "fp32", "linear_beta": "fp32"}  # fmt: skip
     spec = {"module": "k3kernels.moe.w4a16", "kernel": "w4a16_grouped_kernel",
-            "signature": sig, "aligned": [n for n in sig if n != "E"],
+            "signature": sig, "aligned": [n for n in sig if sig[n] != "fp32" and n != "E"],
             "constexprs": {"GROUP": 32, "BLOCK_M": 16, "BLOCK_T": 0, "BLOCK_N": 128,
-                           "BLOCK_K": 256, "BLOCK_E": 128, "GATHER": False, "UPCAST": False,
+                           "BLOCK_K": 256, "BLOCK_E": 128, "GATHER": False, "ACT": 0, "UPCAST": False,
                            "PTX": True, "EVEN": True, "SMALL_SCALES": True},
             "num_warps": 4, "num_stages": 3}  # fmt: skip
     report = _compile([spec], tmp_path, "--sass")

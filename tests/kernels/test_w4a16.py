@@ -7,6 +7,7 @@ either. Dequantized MXFP4 values are exact, so only the output rounding differs.
 
 import pytest
 import torch
+from k3kernels.moe import reference as R
 from moe_inputs import K3_SLICE, TINY, check_experts
 
 from k3batch.testing import assert_close
@@ -42,6 +43,16 @@ def _check_grouped_mm_mxfp4(device, M=150, K=64, N=40, tol_bf16=5e-3, big=False,
         rows = torch.randint(0, M // 3, (M,), generator=g).to(device)
         got = grouped_mm_mxfp4(xd[: M // 3], wq, offs, rows, **blocks)[:cut]
         assert torch.equal(got, grouped_mm_mxfp4(xd[rows], wq, offs, **blocks)[:cut]), dtype
+        # the gated activation in the GEMM (gate rows 0 .. N/2 - 1, up rows N/2 ..), and with
+        # the rows by index
+        for act in ("situ", "silu"):
+            fused = grouped_mm_mxfp4(xd, wq, offs, act=act, **blocks)[:cut]
+            assert fused.shape == (cut, N // 2) and fused.dtype == dtype
+            want = R.gated_act_reference(ref, act)
+            assert_close(f"grouped_mm_mxfp4_{act}_{dtype}", want, fused, rel_rms=tol)
+            got = grouped_mm_mxfp4(xd[: M // 3], wq, offs, rows, act=act, **blocks)[:cut]
+            want = grouped_mm_mxfp4(xd[rows], wq, offs, act=act, **blocks)[:cut]
+            assert torch.equal(got, want), (act, dtype)
 
 
 # ---- CPU, default suite --------------------------------------------------------------------
@@ -195,3 +206,26 @@ def test_decode_pass_with_dependent_launch_gpu(monkeypatch):
             torch.cuda.synchronize()
             for o, ref in zip(outs, want):
                 assert torch.equal(o, ref), (T, first)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs on CPU")
+@pytest.mark.parametrize("act", [False, True], ids=["act-apart", "act-in-gemm"])
+def test_packed_pass_folds_into_the_w4a16_gemm_interpreted(monkeypatch, act):
+    """The packed pass as the W4A16 kernel's table may run it: its rows of x by index (the
+    default) and the activation in the gate-up GEMM (a table's "act"), against the reference;
+    the gate-up GEMM gets x's T rows and their indices, and returns I columns with the act."""
+    from k3kernels.moe import grouped_gemm_triton as G
+    from k3kernels.moe import w4a16
+
+    shape, calls, gemm = TINY["T33-D32-I24-E8-k2-ep4of8"], [], w4a16.grouped_mm_mxfp4
+
+    def spy(x, w, offs, rows_M=None, **kw):
+        out = gemm(x, w, offs, rows_M, **kw)
+        calls.append((x.shape[0], rows_M is not None, out.shape[1]))
+        return out
+
+    monkeypatch.setattr(G, "launch_config", lambda *a, **kw: {"act": act})
+    monkeypatch.setattr(w4a16, "grouped_mm_mxfp4", spy)
+    check_experts(shape, torch.float32, "cpu", use_triton=True, mxfp4=True, gemm_impl="triton")
+    T, D, I = shape[0], shape[1], shape[2]
+    assert calls[0] == (T, True, I if act else 2 * I) and calls[1][1:] == (False, D)
