@@ -421,6 +421,28 @@ def test_conv_prefill_kernel_in_place_matches_reference_gpu(dt, qk):
                **parts)  # fmt: skip
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("head_dim", [128, 96], ids=["heads-in-blocks", "heads-by-fla-norm"])
+def test_fla_conv_prefill_norms_q_and_k_at_any_head_dim_gpu(head_dim):
+    """The model's conv through the fla backend: q and k L2-normed in the conv's kernel where
+    its channel blocks hold whole heads (128), by fla's L2 norm after it elsewhere (96), both
+    against the reference (fp32)."""
+    from k3kernels.kda import fla
+
+    g = torch.Generator().manual_seed(head_dim)
+    lens, warm, C, W = [300, 37, 1], [1, 0, 1], 4 * head_dim, 4
+    _, _, buf, conv_of, slots, warm = _prefill_pools(len(lens) + 2, 1, 1, 1, C, W, torch.float32,
+                                                     warm, g, "cuda", qkv=True)  # fmt: skip
+    x, w = torch.randn(sum(lens), 3 * C, generator=g), torch.randn(3 * C, W, generator=g) * 0.5
+    ref_buf, cu = buf.to("cpu", copy=True), _cu(lens)
+    ref = R.short_conv_prefill_(x, w, conv_of(ref_buf), slots.cpu(), warm.cpu(), cu, 3, 2,
+                                head_dim)  # fmt: skip
+    y = fla.short_conv_prefill_(x.cuda(), w.cuda(), conv_of(buf), slots, warm, cu, 3, 2, head_dim)
+    assert_close("conv_y_normed", ref, y.cpu(), rel_rms=TOLERANCES[("conv_y", torch.float32)][0])
+    assert torch.equal(conv_of(buf)[slots].cpu(), conv_of(ref_buf)[slots.cpu()])
+
+
 def test_reference_prefill_in_place_matches_out_of_place():
     """The CPU path: `kda_prefill_` / `short_conv_prefill_` equal the out-of-place ops on the
     gathered states (zeros for cold sequences, whatever their blocks hold)."""
