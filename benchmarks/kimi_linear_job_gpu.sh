@@ -2,7 +2,8 @@
 # Issue 54 on one lent GPU, in one device call (after `source benchmarks/device_env.sh`):
 #   bash benchmarks/kimi_linear_job_gpu.sh [SECONDS] [tests,diag,tune,job,job-warm]
 # diag: benchmarks/prefill_host_gpu.py on an 8K prefill (host enqueue vs GPU time, and syncs);
-# tests: the GPU kernel tests at Kimi Linear's shapes against their fp32 references;
+# tests: the GPU kernel tests at Kimi Linear's shapes against their fp32 references, and those
+#   of the passes folded into other kernels (the GEMMs' gather and activation, the conv's q/k norm);
 # tune: `bench moe --sweep --save-tuned` at its bf16 prefill (8,192 tokens) and decode (16 and
 #   256) expert shapes, MLA prefill/decode and KDA decode at its 32 heads, then MXFP4's, into
 #   this GPU's tuned tables (the ones written, copied to $OUT/tuned_<op>_<GPU>.json: copy them
@@ -32,7 +33,8 @@ if [[ $parts == *tests* ]]; then
   echo "=== tests ($(left) s left)"
   TRITON_F32_DEFAULT=ieee timeout $(( $(left) < 200 ? $(left) : 200 )) python3 -m pytest -q -m gpu -p no:cacheprovider \
     tests/kernels/test_moe.py tests/kernels/test_mla_prefill.py tests/kernels/test_mla_decode.py \
-    -k kimi 2>&1 | tail -20 | tee "$OUT/kimi_kernel_tests.txt"
+    tests/kernels/test_kda_inplace.py tests/kernels/test_w4a16.py \
+    -k "kimi or grouped_mm_triton_gpu or grouped_mm_mxfp4_gpu or qk-normed or any_head_dim" 2>&1 | tail -20 | tee "$OUT/kimi_kernel_tests.txt"
 fi
 if [[ $parts == *diag* ]]; then
   echo "=== diag ($(left) s left)"
