@@ -68,8 +68,8 @@ class PrefillStageActor:
         total = arena_bytes(layout, engine_config, self.device)
         self.cache = PagedCache(layout, total, device=self.device, dtype=dtype)
         # What the kernels tune by batch size, for every batch the stage can get, before the
-        # first one (the single-device runner does it in `measure_workspace`; a cold job lost a
-        # 2.7 s step to fla's tuning there before). Nothing on the CPU's torch backend.
+        # first one, as the single-device runner does in `measure_workspace` (fla's gated norm
+        # tunes tens of launches for each new bucket). Nothing on the CPU's torch backend.
         self.model.warm_up(engine_config.batch_tokens(self.device.type == "cuda"))
         # Wall-clock compute intervals (the newest BUSY_WINDOW); receive and send are excluded.
         self.busy: deque[tuple[float, float]] = deque(maxlen=BUSY_WINDOW)

@@ -206,10 +206,10 @@ NORM_BUCKET_ROWS = 2048 * 32
 def tune_norm_buckets(max_rows: int, dim: int, dtype, device) -> None:
     """Run fla's gated norm once at each of its buckets up to max_rows rows of width dim, in
     dtype (autotuning is keyed on the argument dtypes too), so that later batches find it
-    tuned. A cold one-H100 Kimi Linear job lost 2.7 s (6% of its output rate) in one prefill
-    step, at the end of its first wave of prompts, where by the batch plan its first steps
-    under 8,192 tokens reach buckets 3 and 2 (32 heads), which the warm-up's forwards (8,192
-    and a few hundred tokens) do not; the same job warm had no such step."""
+    tuned: a job's steps under 8,192 tokens reach buckets (3 and 2 at 32 heads) that the
+    warm-up's forwards (8,192 tokens and a few hundred) do not. (A cold one-H100 Kimi Linear
+    job's one slow prefill step was first put down to this; with every bucket tuned at start-up
+    the step remains: `docs/speed.md`.)"""
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
 
     weight = torch.ones(dim, dtype=dtype, device=device)

@@ -80,11 +80,11 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
         x_MD, rows_M = gather_interleaved(x_TD, order.token_M), None
     else:
         x_MD, rows_M = x_TD.index_select(0, order.token_M), None
+    gate_up = (x_MD, w13_EFD, order.offs_E) + (() if rows_M is None else (rows_M,))
     if fuse["act"]:  # the GEMM applies the activation to its sums: [M, I]
-        h_MI = gemm(x_MD, w13_EFD, order.offs_E, rows_M, act=act, beta=beta,
-                    linear_beta=linear_beta)  # fmt: skip
+        h_MI = gemm(*gate_up, act=act, beta=beta, linear_beta=linear_beta)
     else:
-        h_MF = gemm(x_MD, w13_EFD, order.offs_E, *(() if rows_M is None else (rows_M,)))
+        h_MF = gemm(*gate_up)
         if use_triton:
             from k3kernels.moe.act import moe_act
 
@@ -121,14 +121,10 @@ def pick_gemm(w13, w2, num_rows: int, x_TD, gemm_impl: str):
         if gemm_impl == "auto" and all(G.supported(x_TD, w, num_rows) for w in (w13, w2)):
             return partial(G.grouped_mm_mxfp4_decode, interleaved=True, parts=None), True, \
                 NO_FUSION  # fmt: skip
-        from k3kernels.moe.grouped_gemm_triton import launch_config
+        from k3kernels.moe.grouped_gemm_triton import fusions
 
-        # the W4A16 kernel reads x by pointer loads: by index unless its table says not to;
-        # the activation in it where its table says so
         E, F, D = w13.shape
-        cfg = launch_config(num_rows, E, "mxfp4", nk=(F, D))
-        return grouped_mm_mxfp4, False, {"gather": bool(cfg.get("gather", True)),
-                                         "act": bool(cfg.get("act", False))}  # fmt: skip
+        return grouped_mm_mxfp4, False, fusions(num_rows, E, F, D, x_TD.dtype, packed=True)
     if gemm_impl == "auto" and not x_TD.is_cuda:  # the CPU path imports no Triton module
         gemm_impl = "torch"
     if gemm_impl == "auto":

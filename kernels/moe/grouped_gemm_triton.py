@@ -343,17 +343,18 @@ def grouped_mm_triton(x: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
     return out
 
 
-def fusions(num_rows: int, num_experts: int, n: int, k: int, dtype: torch.dtype) -> dict:
+def fusions(num_rows: int, num_experts: int, n: int, k: int, dtype: torch.dtype,
+            packed: bool = False) -> dict:  # fmt: skip
     """What the tuned launch of the gate-up GEMM (num_rows sorted rows of dtype over
-    num_experts experts, n outputs, k inputs) folds in: {"gather": it reads its rows of x by
-    index (`rows_M`) rather than from a gathered copy, "act": it applies the gated activation
-    (`act`) rather than leaving it to `moe_act`}. Each is the table's, chosen by `bench moe
-    --sweep` against the separate pass; off where no entry says, and for every dtype but bf16
-    (no table)."""
-    if dtype != torch.bfloat16:
-        return {"gather": False, "act": False}
-    cfg = launch_config(num_rows, num_experts, _table(dtype), nk=(n, k))
-    return {"gather": bool(cfg.get("gather", False)), "act": bool(cfg.get("act", False))}
+    num_experts experts, n outputs, k inputs; packed: the W4A16 kernel's, table "mxfp4") folds
+    in: {"gather": it reads its rows of x by index (`rows_M`) rather than from a gathered copy,
+    "act": it applies the gated activation (`act`) rather than leaving it to `moe_act`}. Each
+    is the table's, chosen by `bench moe --sweep` against the separate pass. Where no entry
+    says: the gather on for the W4A16 kernel (it loads x by pointers anyway) and off for this
+    one (TMA reads x faster), the activation off; both off for a dtype with no table."""
+    table = "mxfp4" if packed else _table(dtype)
+    cfg = launch_config(num_rows, num_experts, table, nk=(n, k))
+    return {"gather": bool(cfg.get("gather", packed)), "act": bool(cfg.get("act", False))}
 
 
 def _table(dtype: torch.dtype) -> str:

@@ -98,7 +98,7 @@ def test_stage_busy_intervals_are_bounded(mini_model_dir, monkeypatch):
 
 def test_stage_warms_up_its_layers_for_its_largest_batch(mini_model_dir, monkeypatch):
     """A pipeline stage tunes what its kernels tune by batch size before its first batch, as
-    the single-device runner does (fla's gated norm on a GPU: a cold job's 2.7 s step).
+    the single-device runner does (fla's gated norm on a GPU, tens of launches a new bucket).
     Checked: without the stage's `warm_up` call, `calls` stays empty."""
     from k3batch.model import K3Model
 
