@@ -44,7 +44,8 @@ class StepAccount:
         self.idle_s = 0.0  # after the first step: nothing to run, waiting for requests
         self.first_step_at: float | None = None  # Unix time the first step started
         self.last_step_at: float | None = None  # Unix time the last step ended
-        # min-heap of (seconds, since the first step, kind, requests, {kernel: compiles})
+        # min-heap of (seconds, since the first step, kind, requests, tokens, submit seconds,
+        # {kernel: compiles})
         self._slowest: list = []
         self._start = self._end = None  # perf_counter: the first step's start, the last's end
         self._idle = 0.0  # idle time since the last step
@@ -57,10 +58,19 @@ class StepAccount:
         if self._end is not None:
             self._idle += seconds
 
+    def engine_step(self, engine, start: float, seconds: float, finished: list) -> None:
+        """`step` for the engine's step that began at `start` and returned `finished`."""
+        self.step(start, seconds, prefill=engine.last_step_prefill,
+                  running=len(engine.running) + len(finished), waiting=len(engine.waiting),
+                  tokens=engine.last_step_tokens, submit_s=engine.last_step_submit_s)  # fmt: skip
+
     def step(self, start: float, seconds: float, *, prefill: bool, running: int,
-             waiting: int) -> None:  # fmt: skip
+             waiting: int, tokens: int = 0, submit_s: float = 0.0) -> None:  # fmt: skip
         """A step that began at `start` (perf_counter) and took `seconds` with `running`
-        requests in the engine (those it finished included) and `waiting` still queued."""
+        requests in the engine (those it finished included) and `waiting` still queued;
+        tokens: what it submitted; submit_s: its time in the runner's submit (on one device
+        the host's enqueue of the forward, compiles included; the rest of a slow step is the
+        wait for the device or the host's own work)."""
         kind = "prefill" if prefill else "decode"
         if self._start is None:
             self._start, self.first_step_at = start, time.time() - (time.perf_counter() - start)
@@ -79,7 +89,7 @@ class StepAccount:
             self.room_steps += 1
         compiled = compiles.take()
         self.compiles += sum(compiled.values())
-        entry = (seconds, start - self._start, kind, running, compiled)
+        entry = (seconds, start - self._start, kind, running, tokens, submit_s, compiled)
         if len(self._slowest) < self.SLOWEST:
             heapq.heappush(self._slowest, entry)
         elif seconds > self._slowest[0][0]:
@@ -100,9 +110,10 @@ class StepAccount:
             "last_step_at": self.last_step_at,
             "compiles": self.compiles,
             "slowest": [
-                {"s": round(s, 4), "at_s": round(at, 3), "kind": kind, "requests": n}
+                {"s": round(s, 4), "at_s": round(at, 3), "kind": kind, "requests": n,
+                 "tokens": tokens, "submit_s": round(sub, 4)}
                 | ({"compiled": compiled} if compiled else {})
-                for s, at, kind, n, compiled in slowest
+                for s, at, kind, n, tokens, sub, compiled in slowest
             ],
         }
 
@@ -122,18 +133,21 @@ def account_line(acct: dict) -> str:
         line += f", {acct['compiles']} kernels compiled"
     if acct["slowest"]:
         line += "; slowest: " + ", ".join(
-            f"{s['kind']} {s['s'] * 1e3:.0f} ms at {s['at_s']:.1f} s" + _compiled(s)
+            f"{s['kind']} {s['s'] * 1e3:.0f} ms at {s['at_s']:.1f} s" + _detail(s)
             for s in acct["slowest"][:3]
         )
     return line
 
 
-def _compiled(step: dict) -> str:
-    """" (compiled: name xN, ...)" of a slowest step's compiles, or ""."""
-    names = step.get("compiled")
-    if not names:
-        return ""
-    return " (compiled: " + ", ".join(f"{k} x{n}" for k, n in sorted(names.items())) + ")"
+def _detail(step: dict) -> str:
+    """" (N tokens, S ms in submit; compiled: name xN, ...)" of a slowest step: what it
+    submitted, its time in the runner's submit and the kernels compiled in it."""
+    parts = []
+    if step.get("tokens"):
+        parts.append(f"{step['tokens']:,} tokens, {step['submit_s'] * 1e3:.0f} ms in submit")
+    if names := step.get("compiled"):
+        parts.append("compiled: " + ", ".join(f"{k} x{n}" for k, n in sorted(names.items())))
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 class EngineServer:
@@ -179,9 +193,7 @@ class EngineServer:
                 finished = engine.step()
                 dt = time.perf_counter() - t0
                 self.busy_s += dt
-                account.step(t0, dt, prefill=engine.last_step_prefill,
-                             running=len(engine.running) + len(finished),
-                             waiting=len(engine.waiting))  # fmt: skip
+                account.engine_step(engine, t0, dt, finished)
                 if self._on_step is not None:
                     self._on_step(engine.last_step_prefill, dt)
                 self.rows += len(finished)

@@ -159,9 +159,7 @@ def run_engine_alone(engine, prompts: list[list[int]],
     while engine.has_unfinished():
         start = time.perf_counter()
         finished = engine.step()
-        account.step(start, time.perf_counter() - start, prefill=engine.last_step_prefill,
-                     running=len(engine.running) + len(finished),
-                     waiting=len(engine.waiting))  # fmt: skip
+        account.engine_step(engine, start, time.perf_counter() - start, finished)
         tokens += sum(len(r.output_token_ids) for r in finished)
     seconds = time.perf_counter() - t0
     return seconds, tokens, placed(account.to_dict(), t0_unix, t0_unix + seconds)

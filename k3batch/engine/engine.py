@@ -33,6 +33,7 @@ engine's and propagates.
 
 import contextlib
 import logging
+import time
 from collections import deque
 
 import torch
@@ -89,6 +90,8 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.last_step_prefill = False  # whether the last step ran prompt chunks
+        self.last_step_tokens = 0  # tokens the last step submitted (prompt chunks or decode rows)
+        self.last_step_submit_s = 0.0  # its time in runner.submit (one device: the host's enqueue)
         self._seeds: dict[str, int] = {}  # request -> its seed (drawn when none is given)
         # prompt prefixes that a running prefill will checkpoint -> that request (see _admit)
         self._pending: dict[tuple[int, ...], str] = {}
@@ -156,6 +159,7 @@ class Engine:
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[GenerationResult]:
+        self.last_step_tokens, self.last_step_submit_s = 0, 0.0
         self._admit()
         if self.decode_runner is None and self.runner.depth == 1:  # prefill first, then decode
             prefill = [r for r in self.running if r.phase is Phase.PREFILL]
@@ -335,7 +339,10 @@ class Engine:
         )
         want_all = any(r.sampling.prompt_logprobs for r, _ in plan)
         self.runner.apply(self.pool.drain())
+        t0 = time.perf_counter()
         handle = self.runner.submit(ids, batch, all_logits=want_all)
+        self.last_step_submit_s += time.perf_counter() - t0
+        self.last_step_tokens += batch.num_tokens
         ps = self.config.page_size
         for r, n in plan:
             r.num_computed += n
@@ -405,7 +412,10 @@ class Engine:
         runner.apply(pool.drain())
         ids = [-1 - pending[r] if r in pending else r.last_token_id for r in reqs]
         feed = {"feed": self._inflight[1].tokens} if pending else {}
+        t0 = time.perf_counter()
         handle = runner.submit(ids + [0] * (len(rids) - len(reqs)), batch, False, **feed)
+        self.last_step_submit_s += time.perf_counter() - t0
+        self.last_step_tokens += len(reqs)
         logits = runner.wait(handle)[: len(reqs)]
         for r in reqs:
             r.num_computed += 1

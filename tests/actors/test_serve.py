@@ -15,7 +15,7 @@ from k3batch.engine.request import GenerationResult, SamplingParams
 def test_account_splits_the_time_between_steps():
     a = StepAccount(max_num_seqs=4)
     a.idle(5.0)  # before the first step: the wait for the first rows is not the engine's
-    a.step(10.0, 0.5, prefill=True, running=4, waiting=2)
+    a.step(10.0, 0.5, prefill=True, running=4, waiting=2, tokens=512, submit_s=0.1)
     a.step(10.6, 0.02, prefill=False, running=4, waiting=0)  # 0.1 s of host work before it
     a.idle(0.3)  # then no rows for 0.3 s, and 0.08 s of host work
     a.step(11.0, 0.02, prefill=False, running=2, waiting=0)  # room, none waiting
@@ -25,7 +25,8 @@ def test_account_splits_the_time_between_steps():
     assert d["mean_decode_batch"] == 3.0 and d["room_steps"] == 1
     assert d["idle_s"] == pytest.approx(0.3) and d["between_s"] == pytest.approx(0.18)
     assert [s["s"] for s in d["slowest"]] == [0.5, 0.02, 0.02]
-    assert d["slowest"][0] == {"s": 0.5, "at_s": 0.0, "kind": "prefill", "requests": 4}
+    assert d["slowest"][0] == {"s": 0.5, "at_s": 0.0, "kind": "prefill", "requests": 4,
+                               "tokens": 512, "submit_s": 0.1}
     assert d["last_step_at"] - d["first_step_at"] == pytest.approx(1.02, abs=1e-3)
     assert "1 prefill steps 0.50 s, 2 decode steps 0.04 s (mean batch 3.0 of 4" in account_line(d)
 
@@ -59,14 +60,15 @@ def test_slowest_steps_name_the_kernels_compiled_in_them():
     _compile("conv_kernel")
     _compile("conv_kernel")
     _compile("gemm_kernel")
-    a.step(1.0, 2.9, prefill=True, running=1, waiting=0)
-    a.step(4.0, 0.2, prefill=False, running=1, waiting=0)
+    a.step(1.0, 2.9, prefill=True, running=1, waiting=0, tokens=6016, submit_s=2.8)
+    a.step(4.0, 0.2, prefill=False, running=1, waiting=0, tokens=1)
     d = a.to_dict()
     assert d["compiles"] == 3
     assert d["slowest"][0]["compiled"] == {"conv_kernel": 2, "gemm_kernel": 1}
     assert all("compiled" not in s for s in d["slowest"][1:])
-    assert "3 kernels compiled; slowest: prefill 2900 ms at 1.0 s (compiled: conv_kernel x2, " \
-        "gemm_kernel x1), decode 200 ms" in account_line(d)
+    assert "3 kernels compiled; slowest: prefill 2900 ms at 1.0 s (6,016 tokens, 2800 ms in " \
+        "submit; compiled: conv_kernel x2, gemm_kernel x1), decode 200 ms at 4.0 s (1 tokens, " \
+        "0 ms in submit)" in account_line(d)
 
 
 def test_compile_watch_keeps_a_hook_already_there(monkeypatch):
@@ -87,7 +89,7 @@ class _Engine:
     """A request finishes after `max_new_tokens` steps of 2 ms; every step a decode step."""
 
     config = SimpleNamespace(max_num_seqs=2)
-    last_step_prefill = False
+    last_step_prefill, last_step_tokens, last_step_submit_s = False, 0, 0.0
 
     def __init__(self):
         self.running, self.waiting = [], []

@@ -20,7 +20,7 @@ class _StubEngine:
 
     decode_runner = None
     config = SimpleNamespace(max_num_seqs=8)
-    last_step_prefill = False
+    last_step_prefill, last_step_tokens, last_step_submit_s = False, 0, 0.0
     waiting = ()
 
     def __init__(self):

@@ -96,6 +96,23 @@ def test_mixed_batch_equals_each_alone(model_factory):
         torch.testing.assert_close(alone.output_logprobs, res.output_logprobs, rtol=0, atol=ATOL)
 
 
+def test_last_step_says_what_it_submitted(model_factory):
+    """`last_step_prefill` / `last_step_tokens`, which the step account keeps for its slowest
+    steps: prompt chunks up to max_batch_tokens, then one token per decoding request."""
+    eng = Engine(model_factory("k3-mini"), EngineConfig(max_seq_len=64, chunk_size=7,
+                                                         max_batch_tokens=16))  # fmt: skip
+    for i, n in enumerate((3, 17)):
+        eng.add_request(str(i), _prompt(n, n), SamplingParams(max_new_tokens=2))
+    seen = []
+    while eng.has_unfinished():
+        eng.step()
+        seen.append((eng.last_step_prefill, eng.last_step_tokens))
+    prefill = [n for p, n in seen if p]
+    assert prefill[0] == 3 + 7 and sum(prefill) == 3 + 17 and max(prefill) <= 16
+    # decode rows, and 0 for the overlapped decode's last step (it only takes the tokens)
+    assert {n for p, n in seen if not p} == {0, 2}
+
+
 def test_greedy_tokens_and_logprobs_match_full_forward(model_factory):
     model = model_factory("k3-debug")
     prompts = [_prompt(n, 10 + n) for n in (9, 20)]
