@@ -19,8 +19,8 @@ keyword arguments: block sizes, num_warps, num_stages):
   shapes were keys).
 
 `lookup`: the entry of the key's shape whose size is nearest (in powers of two; a tie goes to
-the larger), else the first fallback present, else {}: the kernel's built-in defaults then
-apply. `save` (what `k3batch bench ... --sweep --save-tuned` calls) writes one entry and keeps
+the larger), else that of a GPU with the same SMs (`SAME_SMS`), else the first fallback present,
+else {}: the kernel's built-in defaults then apply. `save` (what `k3batch bench ... --sweep --save-tuned` calls) writes one entry and keeps
 the others. Tables hold launches timed on bf16 inputs, and only CUDA runs read them
 (`gpu_path`): under TRITON_INTERPRET=1 (the CPU suite) the kernels launch their defaults.
 """
@@ -32,6 +32,13 @@ from pathlib import Path
 import torch
 
 from k3kernels import INTERPRETED
+
+
+# GPU models whose SMs (count, clocks, shared memory) are another's: where a model's table has
+# no entry of a shape, the other's entries of that shape apply before any fallback key. The
+# H200 is the H100 SXM's 132 SMs with faster memory, so a tile tuned on one is the other's best
+# or near it (a sweep on this GPU writes its own entry, which comes first).
+SAME_SMS = {"NVIDIA_H200.json": "NVIDIA_H100_80GB_HBM3.json"}
 
 
 def file_name(device_name: str) -> str:
@@ -66,20 +73,23 @@ def make_key(shape: str, size_name: str, size: int) -> str:
 def lookup(path: Path | None, table: str, key: str | None,
            fallback: tuple[str, ...] = ()) -> dict:  # fmt: skip
     """The config for `key` (from `make_key`; None: fallbacks only) in this table of the file at
-    path: the entry of its shape whose size is nearest, else the first fallback key present,
-    else {} (and {} for path None)."""
+    path: the entry of its shape whose size is nearest, else that of the file of a GPU with the
+    same SMs beside it (`SAME_SMS`), else the first fallback key present (this GPU's file
+    first), else {} (and {} for path None)."""
     if path is None:
         return {}
-    entries = load(path).get(table, {})
+    files = [path] + ([path.with_name(SAME_SMS[path.name])] if path.name in SAME_SMS else [])
+    tables = [load(f).get(table, {}) for f in files]
     if key is not None:
         prefix = key.rpartition("=")[0] + "="  # "<shape> <size name>="
-        sizes = {int(k[len(prefix):]): k for k in entries
-                 if k.startswith(prefix) and k[len(prefix):].isdigit()}  # fmt: skip
-        if sizes:
-            want = int(key[len(prefix):]).bit_length()
-            near = min(sizes, key=lambda n: (abs(n.bit_length() - want), -n))
-            return dict(entries[sizes[near]])
-    return next((dict(entries[k]) for k in fallback if k in entries), {})
+        for entries in tables:
+            sizes = {int(k[len(prefix):]): k for k in entries
+                     if k.startswith(prefix) and k[len(prefix):].isdigit()}  # fmt: skip
+            if sizes:
+                want = int(key[len(prefix):]).bit_length()
+                near = min(sizes, key=lambda n: (abs(n.bit_length() - want), -n))
+                return dict(entries[sizes[near]])
+    return next((dict(e[k]) for e in tables for k in fallback if k in e), {})
 
 
 def save(path: Path, table: str, key: str, config: dict) -> None:

@@ -1,7 +1,8 @@
 """Tuned launch tables (`k3kernels.tuned`): the lookup order (the shape's entry at the nearest
 size, then the regime's, then the kernel's defaults) on temporary files, `save` keeping the
 other entries, and the committed H200 table: its k3-slice entries found at k3-slice's shapes,
-Kimi Linear's shapes falling back to the regime entries until a sweep saves theirs. CPU only:
+Kimi Linear's shapes taking the H100's entries (the same SMs) until a sweep on an H200 saves
+its own. CPU only:
 the kernels are made to read a table by pointing `tuned.gpu_path` at one (on CPU and under
 the interpreter they read none)."""
 
@@ -69,6 +70,24 @@ def test_lookup_takes_the_shape_at_the_nearest_size_then_the_regime_then_nothing
     assert tuned.lookup(path, "t", None, ("decode",)) == R
 
 
+def test_a_gpu_with_the_same_sms_lends_its_shape_entries_before_any_fallback(tmp_path):
+    """An H200 file without an entry of a shape takes the H100 file's entry of that shape
+    (`SAME_SMS`), and only then a fallback key (its own first); its own entries come first."""
+    h200 = _write(tmp_path / "NVIDIA_H200.json", {"t": {"decode H=1 batch=1": A, "decode": B}})
+    _write(tmp_path / tuned.SAME_SMS["NVIDIA_H200.json"], {"t": {
+        "decode H=1 batch=16": C, "decode H=2 batch=16": R, "prefill": R}})  # fmt: skip
+    other = _write(tmp_path / "GPU.json", {"t": {"decode": B}})  # no GPU lends it entries
+
+    def look(path, shape, *fallback):
+        return tuned.lookup(path, "t", tuned.make_key(shape, "batch", 16), fallback)
+
+    assert look(h200, "decode H=1", "decode") == A  # its own entry of the shape, at any size
+    assert look(h200, "decode H=2", "decode") == R  # the H100's entry of the shape
+    assert look(h200, "decode H=3", "decode") == B  # then its own fallback
+    assert look(h200, "decode H=3", "prefill") == R  # the H100's fallback last
+    assert look(other, "decode H=2", "decode") == B
+
+
 def test_save_writes_its_key_and_keeps_every_other_entry(tmp_path):
     path = _write(tmp_path / "GPU.json", {"t": {"decode": A, "H=1 batch=1": B}, "u": {"x": C}})
     assert tuned.lookup(path, "t", "H=1 batch=16") == B  # read once: cached
@@ -125,10 +144,15 @@ def test_h200_table_has_k3_slice_entries_at_its_shapes_and_the_regime_fallbacks(
             assert G.launch_config(M, E, "bf16", nk) == defaults | table["bf16"][regime]
             assert G.launch_config(M, E, "mxfp4", nk) == no_tail | table["mxfp4"][regime]
     assert G.launch_config(2, E, "torch.float32", nk=(6144, 3584)) == G.DEFAULT_CONFIGS["decode"]
-    # Kimi Linear (256 experts, top-8) has no entries of its own yet: the regime's
-    for tokens, regime in ((8192, "prefill"), (256, "decode"), (16, "decode")):
-        cfg = G.launch_config(8 * tokens, 256, "bf16", nk=(2048, 2304))
-        assert cfg == G.DEFAULT_CONFIGS[regime] | table["bf16"][regime]
+    # Kimi Linear (256 experts, top-8) has no entries of its own on the H200: the H100's
+    h100 = json.loads((G.TUNED_DIR / tuned.SAME_SMS[H200.name]).read_text())
+    for tokens in (8192, 256, 16):
+        for weights in ("bf16", "mxfp4"):
+            for nk in ((2048, 2304), (2304, 1024)):
+                key = G.table_key(8 * tokens, 256, *nk)
+                assert key not in table[weights] and key in h100[weights]
+                assert G.launch_config(8 * tokens, 256, weights, nk) | h100[weights][key] \
+                    == G.launch_config(8 * tokens, 256, weights, nk)
 
 
 def test_moe_launch_prefers_the_shape_entry_over_the_regime(tmp_path, read_table):
