@@ -20,9 +20,10 @@ keyword arguments: block sizes, num_warps, num_stages):
 
 `lookup`: the entry of the key's shape whose size is nearest (in powers of two; a tie goes to
 the larger), else that of a GPU with the same SMs (`SAME_SMS`), else the first fallback present,
-else {}: the kernel's built-in defaults then apply. `save` (what `k3batch bench ... --sweep --save-tuned` calls) writes one entry and keeps
-the others. Tables hold launches timed on bf16 inputs, and only CUDA runs read them
-(`gpu_path`): under TRITON_INTERPRET=1 (the CPU suite) the kernels launch their defaults.
+else {}: the kernel's built-in defaults then apply. `save` (what `k3batch bench ... --sweep
+--save-tuned` calls) writes one entry and keeps the others. Tables hold launches timed on bf16
+inputs, and only CUDA runs read them (`gpu_path`): under TRITON_INTERPRET=1 (the CPU suite) the
+kernels launch their defaults.
 """
 
 import functools
