@@ -339,10 +339,7 @@ class Engine:
         )
         want_all = any(r.sampling.prompt_logprobs for r, _ in plan)
         self.runner.apply(self.pool.drain())
-        t0 = time.perf_counter()
-        handle = self.runner.submit(ids, batch, all_logits=want_all)
-        self.last_step_submit_s += time.perf_counter() - t0
-        self.last_step_tokens += batch.num_tokens
+        handle = self._submit(self.runner, batch.num_tokens, ids, batch, want_all)
         ps = self.config.page_size
         for r, n in plan:
             r.num_computed += n
@@ -352,6 +349,15 @@ class Engine:
                 if self._pending.get(key := tuple(r.prompt_token_ids[:end])) == r.request_id:
                     del self._pending[key]
         return plan, batch, want_all, handle
+
+    def _submit(self, runner, tokens: int, *args, **kwargs):
+        """runner.submit(*args, **kwargs), counted in `last_step_tokens` (tokens) and
+        `last_step_submit_s`."""
+        t0 = time.perf_counter()
+        handle = runner.submit(*args, **kwargs)
+        self.last_step_submit_s += time.perf_counter() - t0
+        self.last_step_tokens += tokens
+        return handle
 
     def _finish_prefill(self, plan, batch, want_all, logits) -> None:
         cu = batch.cu_seqlens
@@ -412,10 +418,8 @@ class Engine:
         runner.apply(pool.drain())
         ids = [-1 - pending[r] if r in pending else r.last_token_id for r in reqs]
         feed = {"feed": self._inflight[1].tokens} if pending else {}
-        t0 = time.perf_counter()
-        handle = runner.submit(ids + [0] * (len(rids) - len(reqs)), batch, False, **feed)
-        self.last_step_submit_s += time.perf_counter() - t0
-        self.last_step_tokens += len(reqs)
+        handle = self._submit(runner, len(reqs), ids + [0] * (len(rids) - len(reqs)), batch,
+                              False, **feed)  # fmt: skip
         logits = runner.wait(handle)[: len(reqs)]
         for r in reqs:
             r.num_computed += 1
