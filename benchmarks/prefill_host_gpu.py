@@ -8,7 +8,11 @@ One prefill of `--tokens` tokens (one sequence, no cache prefix) on random weigh
 warm-ups: `enqueue_ms` is from the call to the return of `forward_batch` (the host's Python,
 launches and any synchronization inside), `gpu_ms` from a CUDA event before the call to one
 after it; wall_ms with the final synchronization. When enqueue_ms is close to wall_ms the host
-bounds the prefill (launches or syncs), else the kernels do. Then the same forward under
+bounds the prefill (launches or syncs), else the kernels do. `queued_gpu_ms`: the same span
+with the whole forward enqueued behind a sleep kernel before its first kernel starts, so the
+GPU never waits for the host: gpu_ms - queued_gpu_ms is the time the GPU idled inside the
+forward waiting for launches ("queued": whether the host did finish enqueueing within the
+sleep). Then the same forward under
 `torch.cuda.set_sync_debug_mode("warn")`: each distinct place that synchronizes, with a count.
 """
 
@@ -70,8 +74,10 @@ def main() -> None:
         rows.append({"enqueue_ms": 1e3 * (t1 - t0), "gpu_ms": start.elapsed_time(end),
                      "wall_ms": 1e3 * (t2 - t0)})  # fmt: skip
     best = min(rows, key=lambda r: r["wall_ms"])
+    queued_ms, queued = queued_gpu_ms(forward, hold_ms=2 * best["enqueue_ms"] + 50)
     print(json.dumps({"flavor": args.flavor, "experts": args.experts, "tokens": args.tokens,
-                      "seqs": args.seqs, **{k: round(v, 2) for k, v in best.items()}}))  # fmt: skip
+                      "seqs": args.seqs, **{k: round(v, 2) for k, v in best.items()},
+                      "queued_gpu_ms": round(queued_ms, 2), "queued": queued}))  # fmt: skip
     sites = collections.Counter()
 
     def record(message, category, filename, lineno, file=None, line=None):
@@ -87,6 +93,29 @@ def main() -> None:
     print(f"synchronizing calls in one forward: {sum(sites.values())}")
     for site, n in sites.most_common(20):
         print(f"{n:5d}  {site}")
+
+
+def queued_gpu_ms(forward, hold_ms: float, repeats: int = 3) -> tuple[float, bool]:
+    """(the best of `repeats` GPU times of forward() enqueued whole behind a sleep kernel of
+    about hold_ms, whether every run's launches were all queued before the sleep ended)."""
+    probe = 10**7  # cycles: the GPU's clock, measured, turns hold_ms into cycles
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    torch.cuda.synchronize()
+    cycles = int(probe * hold_ms / start.elapsed_time(end))
+    best, queued = float("inf"), True
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        start.record()
+        forward()
+        end.record()
+        queued &= not start.query()  # the sleep still holds the stream: nothing ran yet
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return best, queued
 
 
 if __name__ == "__main__":

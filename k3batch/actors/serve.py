@@ -16,7 +16,8 @@ run with room for more requests and none waiting, time between steps with work t
 requests, callbacks: the host's, while the device idles once its queued step is done), time
 with nothing to run (no rows), and the slowest steps (a compile or an autotune in a step
 shows there), each with the Triton kernels compiled since the step before
-(`engine.compiles`).
+(`engine.compiles`) and, on one CUDA device, the caching allocator's device allocations and
+retries in it (`cuda_alloc_counts`).
 """
 
 import heapq
@@ -24,7 +25,26 @@ import queue
 import threading
 import time
 
+import torch
+
 from k3batch.engine import compiles
+
+
+def cuda_alloc_counts(device):
+    """A callable giving the CUDA caching allocator's running totals on `device`: (device
+    allocations, retries). An allocation is a cudaMalloc of a new segment, made where no cached
+    block fits (a batch shape the allocator has not seen); a retry is an allocation that found
+    no room, so the allocator synchronized the device, freed its cached blocks and tried again,
+    and the allocations after it pay cudaMalloc again. None for a device that is not CUDA (or
+    None: a runner of actors, whose devices are in other processes)."""
+    if device is None or torch.device(device).type != "cuda":
+        return None
+
+    def counts() -> tuple[int, int]:
+        stats = torch.cuda.memory_stats_as_nested_dict(device)  # no flattening: one C++ call
+        return stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0)
+
+    return counts
 
 
 class StepAccount:
@@ -34,7 +54,9 @@ class StepAccount:
 
     SLOWEST = 5  # steps kept in `slowest`
 
-    def __init__(self, max_num_seqs: int):
+    def __init__(self, max_num_seqs: int, alloc_counts=None):
+        """alloc_counts: a callable giving the allocator's running totals (device allocations,
+        retries), as `cuda_alloc_counts` makes; None: the steps have no such counts."""
         self.max_num_seqs = max_num_seqs
         self.steps = {"prefill": 0, "decode": 0}
         self.busy_s = {"prefill": 0.0, "decode": 0.0}
@@ -45,13 +67,22 @@ class StepAccount:
         self.first_step_at: float | None = None  # Unix time the first step started
         self.last_step_at: float | None = None  # Unix time the last step ended
         # min-heap of (seconds, since the first step, kind, requests, tokens, submit seconds,
-        # {kernel: compiles})
+        # {kernel: compiles}, (device allocations, retries) or None)
         self._slowest: list = []
         self._start = self._end = None  # perf_counter: the first step's start, the last's end
         self._idle = 0.0  # idle time since the last step
         self.compiles = 0  # Triton kernels compiled during or between steps
         compiles.watch()
         compiles.take()  # the start-up's (warm-up, graph capture) are not a step's
+        self._alloc_counts = alloc_counts
+        self._allocs = alloc_counts() if alloc_counts else None  # the totals after the last step
+
+    @classmethod
+    def of(cls, engine) -> "StepAccount":
+        """The account of an engine's steps, with allocator counts where its runner holds one
+        CUDA device in this process."""
+        device = getattr(engine.runner, "device", None)
+        return cls(engine.config.max_num_seqs, cuda_alloc_counts(device))
 
     def idle(self, seconds: float) -> None:
         """The engine waited `seconds` for requests with nothing to run."""
@@ -89,7 +120,12 @@ class StepAccount:
             self.room_steps += 1
         compiled = compiles.take()
         self.compiles += sum(compiled.values())
-        entry = (seconds, start - self._start, kind, running, tokens, submit_s, compiled)
+        allocs = None
+        if self._alloc_counts is not None:
+            now = self._alloc_counts()
+            allocs = (now[0] - self._allocs[0], now[1] - self._allocs[1])
+            self._allocs = now
+        entry = (seconds, start - self._start, kind, running, tokens, submit_s, compiled, allocs)
         if len(self._slowest) < self.SLOWEST:
             heapq.heappush(self._slowest, entry)
         elif seconds > self._slowest[0][0]:
@@ -113,7 +149,8 @@ class StepAccount:
                 {"s": round(s, 4), "at_s": round(at, 3), "kind": kind, "requests": n,
                  "tokens": tokens, "submit_s": round(sub, 4)}
                 | ({"compiled": compiled} if compiled else {})
-                for s, at, kind, n, tokens, sub, compiled in slowest
+                | ({"device_allocs": allocs[0], "alloc_retries": allocs[1]} if allocs else {})
+                for s, at, kind, n, tokens, sub, compiled, allocs in slowest
             ],
         }
 
@@ -140,11 +177,15 @@ def account_line(acct: dict) -> str:
 
 
 def _detail(step: dict) -> str:
-    """" (N tokens, S ms in submit; compiled: name xN, ...)" of a slowest step: what it
-    submitted, its time in the runner's submit and the kernels compiled in it."""
+    """" (N tokens, S ms in submit; A device allocations, R allocator retries; compiled: name
+    xN, ...)" of a slowest step: what it submitted, its time in the runner's submit, the CUDA
+    allocator's work in it and the kernels compiled in it."""
     parts = []
     if step.get("tokens"):
         parts.append(f"{step['tokens']:,} tokens, {step['submit_s'] * 1e3:.0f} ms in submit")
+    if "device_allocs" in step:
+        parts.append(f"{step['device_allocs']} device allocations, "
+                     f"{step['alloc_retries']} allocator retries")  # fmt: skip
     if names := step.get("compiled"):
         parts.append("compiled: " + ", ".join(f"{k} x{n}" for k, n in sorted(names.items())))
     return f" ({'; '.join(parts)})" if parts else ""
@@ -156,7 +197,7 @@ class EngineServer:
         self._on_step = on_step
         self.busy_s = 0.0  # time inside engine steps
         self.rows = 0  # requests finished
-        self.account = StepAccount(engine.config.max_num_seqs)
+        self.account = StepAccount.of(engine)
         self._on_finished, self._on_failure = on_finished, on_failure
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._next_id = 0

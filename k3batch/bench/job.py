@@ -151,7 +151,7 @@ def run_engine_alone(engine, prompts: list[list[int]],
     the engine (one sampling, or one per prompt), stepped as `Engine.generate` steps it, each
     step counted as the replica counts its own."""
     samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-    account = StepAccount(engine.config.max_num_seqs)
+    account = StepAccount.of(engine)
     t0, t0_unix = time.perf_counter(), time.time()
     for i, (ids, sp) in enumerate(zip(prompts, samplings)):
         engine.add_request(str(i), ids, sp)

@@ -71,6 +71,28 @@ def test_slowest_steps_name_the_kernels_compiled_in_them():
         "0 ms in submit)" in account_line(d)
 
 
+def test_slowest_steps_count_the_allocators_work_in_them():
+    """A step whose batch shape the CUDA caching allocator has not seen makes new segments
+    (cudaMalloc), and one that finds no room flushes the allocator's cache and retries (a
+    device synchronization): each slowest step says how many of each it made, from the
+    allocator's running totals read after every step. Without a counter (not one CUDA device
+    in this process) the steps say nothing of it."""
+    totals = iter([(40, 0), (40, 0), (57, 1), (57, 1)])  # at the start, then after each step
+    a = StepAccount(max_num_seqs=1, alloc_counts=lambda: next(totals))
+    a.step(0.0, 0.1, prefill=True, running=1, waiting=0, tokens=8192, submit_s=0.05)
+    a.step(1.0, 2.9, prefill=True, running=1, waiting=0, tokens=6016, submit_s=0.06)
+    a.step(4.0, 0.02, prefill=False, running=1, waiting=0, tokens=1)
+    slow, first, decode = a.to_dict()["slowest"]
+    assert (slow["device_allocs"], slow["alloc_retries"]) == (17, 1)
+    assert (first["device_allocs"], first["alloc_retries"]) == (0, 0)
+    assert (decode["device_allocs"], decode["alloc_retries"]) == (0, 0)
+    assert "prefill 2900 ms at 1.0 s (6,016 tokens, 60 ms in submit; 17 device allocations, " \
+        "1 allocator retries)" in account_line(a.to_dict())
+    none = StepAccount.of(_Engine())  # a runner with no CUDA device
+    none.step(0.0, 0.1, prefill=True, running=1, waiting=0, tokens=8192)
+    assert "device_allocs" not in none.to_dict()["slowest"][0]
+
+
 def test_compile_watch_keeps_a_hook_already_there(monkeypatch):
     from triton import knobs
 
@@ -89,6 +111,7 @@ class _Engine:
     """A request finishes after `max_new_tokens` steps of 2 ms; every step a decode step."""
 
     config = SimpleNamespace(max_num_seqs=2)
+    runner = None  # no device: the account has no allocator counts
     last_step_prefill, last_step_tokens, last_step_submit_s = False, 0, 0.0
 
     def __init__(self):
