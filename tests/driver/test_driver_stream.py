@@ -18,7 +18,7 @@ from k3batch.engine.request import GenerationResult, SamplingParams
 class _StubEngine:
     """A request finishes after `max_new_tokens` steps; each step takes a few milliseconds."""
 
-    decode_runner = None
+    runner = decode_runner = None  # no device
     config = SimpleNamespace(max_num_seqs=8)
     last_step_prefill, last_step_tokens, last_step_submit_s = False, 0, 0.0
     waiting = ()
