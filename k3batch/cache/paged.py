@@ -19,6 +19,10 @@ import torch
 from k3batch.cache.arena import ArenaSpec, Move
 from k3batch.cache.layout import ALIGN, CacheLayout
 
+# The most bytes one gather of `PagedCache.apply` copies (its temporary): a few of K3's KDA
+# blocks, a few thousand of its pages.
+MOVE_GROUP_BYTES = 256 * 2**20
+
 
 class PagedCache:
     def __init__(self, layout: CacheLayout, total_bytes: int, *, device, dtype, dcp_size: int = 1):
@@ -36,6 +40,11 @@ class PagedCache:
         C = H * K
         blocks = self.arena[: self.num_blocks * bb].view(self.num_blocks, bb)
         pages = self.arena[total - self.num_pages * pb :].view(self.num_pages, pb)
+        # Whole blocks and pages as rows of 8-byte words, for `apply` (both sizes are ALIGN
+        # multiples; a kind of zero bytes, in a stage without such layers, has none); page p
+        # is row num_pages - 1 - p
+        self._rows = {kind: rows.view(torch.int64)
+                      for kind, rows, n in (("block", blocks, bb), ("page", pages, pb)) if n}  # fmt: skip
         self.kda_state, self.kda_conv, self.mla_latent = {}, {}, {}
         for i in layout.kda_layers:
             s, c = layout.state_offset(i), layout.conv_offset(i)
@@ -57,20 +66,41 @@ class PagedCache:
 
     # ---- engine operations ---------------------------------------------------------------
     def apply(self, moves: list[Move]) -> None:
-        """Copy blocks and pages (compaction moves, checkpoint saves and restores), in order."""
-        for kind, src, dst in moves:
-            n = self.layout.block_bytes if kind == "block" else self.layout.page_bytes
+        """Copy blocks and pages (compaction moves, checkpoint saves and restores) as if one
+        after another, in order. Consecutive moves of one kind run as one gather and one
+        scatter (`_copy_rows`) while none of them reads or overwrites a block or page that an
+        earlier one of the group wrote (a compaction's never do: its sources lie above the
+        new end, its holes below), up to MOVE_GROUP_BYTES: a wave of finished requests frees
+        thousands of pages in one step (Kimi Linear, 1,024 prompts of 1K, 256 at a time:
+        11,905 page moves when the second wave starts), each a launch of its own before."""
+        group, written = [], set()
+        for move in moves:
+            n = self.layout.block_bytes if move.kind == "block" else self.layout.page_bytes
             if n == 0:  # a stage without layers of this kind
                 continue
-            a, b = self._offset(kind, src), self._offset(kind, dst)
-            self.arena[b : b + n].copy_(self.arena[a : a + n])
+            if group and (move.kind != group[0].kind or move.src in written
+                          or move.dst in written or (len(group) + 1) * n > MOVE_GROUP_BYTES):  # fmt: skip
+                self._copy_rows(group)
+                group, written = [], set()
+            group.append(move)
+            written.add(move.dst)
+        if group:
+            self._copy_rows(group)
 
-    def _offset(self, kind: str, idx: int) -> int:
-        if kind == "block":
-            assert 0 <= idx < self.num_blocks, f"block {idx} outside [0, {self.num_blocks})"
-            return idx * self.layout.block_bytes
-        assert 0 <= idx < self.num_pages, f"page {idx} outside [0, {self.num_pages})"
-        return self.total_bytes - (idx + 1) * self.layout.page_bytes
+    def _copy_rows(self, group: list[Move]) -> None:
+        """Rows dst = rows src for moves of one kind, sources all read before any write."""
+        kind = group[0].kind
+        rows, count = self._rows[kind], (self.num_blocks if kind == "block" else self.num_pages)
+        for m in group:
+            assert 0 <= m.src < count and 0 <= m.dst < count, f"{m} outside [0, {count})"
+        src, dst = ([m.src for m in group], [m.dst for m in group])
+        if kind == "page":
+            src, dst = ([count - 1 - i for i in idx] for idx in (src, dst))
+        if len(group) == 1:
+            rows[dst[0]].copy_(rows[src[0]])
+            return
+        src_t, dst_t = torch.tensor([src, dst]).to(rows.device, non_blocking=True)
+        rows.index_copy_(0, dst_t, rows.index_select(0, src_t))
 
     def rows(self, page_numbers) -> torch.Tensor:
         """Rows of the mla_latent views that hold the given page numbers."""

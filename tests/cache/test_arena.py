@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from k3batch.cache.arena import Arena, ArenaSpec
+from k3batch.cache.arena import Arena, ArenaSpec, Move
 from k3batch.cache.layout import CacheLayout
 from k3batch.cache.manager import CacheManager
 from k3batch.cache.paged import PagedCache
@@ -256,6 +256,58 @@ def test_paged_apply_in_a_stage_without_mla_layers():
     moves = arena.free_pages([0])  # [Move("page", 2, 0)]
     mixed.apply(moves)
     kda_only.apply(moves)  # page_bytes == 0: nothing to copy
+
+
+def _one_by_one(cache: PagedCache, moves) -> None:
+    """Each move a copy of its own, in order: what `PagedCache.apply` must equal."""
+    for kind, src, dst in moves:
+        n = cache.layout.block_bytes if kind == "block" else cache.layout.page_bytes
+        at = (lambda i: i * n) if kind == "block" else (lambda i: cache.total_bytes - (i + 1) * n)
+        cache.arena[at(dst) : at(dst) + n] = cache.arena[at(src) : at(src) + n].clone()
+
+
+@pytest.mark.parametrize("group_bytes", [None, 3], ids=["default", "tiny-groups"])
+def test_paged_apply_of_many_moves_equals_them_one_by_one(monkeypatch, group_bytes):
+    """apply runs a run of moves of one kind as one gather and one scatter; where a move reads
+    or overwrites what an earlier one wrote (chains, cycles, one slot written twice), or the
+    group would exceed MOVE_GROUP_BYTES, it starts a new group, so the bytes end as with one
+    copy per move. Moves drawn at random, and those of many frees drained at once."""
+    import k3batch.cache.paged as paged
+
+    if group_bytes is not None:  # a group of whole rows never exceeds it: one move each
+        monkeypatch.setattr(paged, "MOVE_GROUP_BYTES", group_bytes)
+    copy_rows = PagedCache._copy_rows
+
+    def one_gather(self, group):  # on a GPU a slot written twice in one scatter is a race
+        assert len({m.dst for m in group}) == len(group), group
+        assert group_bytes is None or len(group) == 1
+        copy_rows(self, group)
+
+    monkeypatch.setattr(PagedCache, "_copy_rows", one_gather)
+    layout = _layout(range(8))
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    a = PagedCache(layout, 120_000, device="cpu", dtype=torch.bfloat16)
+    b = PagedCache(layout, 120_000, device="cpu", dtype=torch.bfloat16)
+    nb, np_ = 6, 10  # slots used: blocks from the left, pages from the right, apart
+    assert nb * layout.block_bytes + np_ * layout.page_bytes <= a.total_bytes
+    for trial in range(20):
+        a.arena.copy_(torch.randint(0, 256, a.arena.shape, generator=gen, dtype=torch.uint8))
+        b.arena.copy_(a.arena)
+        moves = []
+        for _ in range(rng.randint(1, 30)):
+            kind = rng.choice(["block", "page"])
+            src, dst = rng.sample(range(nb if kind == "block" else np_), 2)
+            moves.append(Move(kind, src, dst))
+        moves += [Move("page", 1, 2), Move("page", 2, 3), Move("page", 3, 1)]  # a cycle
+        a.apply(moves)
+        _one_by_one(b, moves)
+        assert torch.equal(a.arena, b.arena), f"trial {trial}: {moves}"
+    arena = Arena([a.spec])  # a compaction's moves, drained after many frees
+    arena.alloc_pages(range(np_))
+    moves = arena.free_pages([0, 3, 4]) + arena.free_pages([1]) + arena.free_pages([9, 2])
+    a.apply(moves)
+    _one_by_one(b, moves)
+    assert torch.equal(a.arena, b.arena)
 
 
 # ---- CacheManager ---------------------------------------------------------------------------
