@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from k3batch.actors.build import build_engine
+from k3batch.actors.placement import freeze_start_up
 from k3batch.actors.serve import EngineServer
 from k3batch.driver.inputs import file_contract
 from k3batch.engine.config import EngineConfig
@@ -143,6 +144,7 @@ class DataReplicaActor:
         self.failure: BaseException | None = None
         self.pending: set = set()  # futures of rows in the engine
         self.lock = threading.Lock()  # failure and pending: the engine thread and the calls
+        freeze_start_up()
         self.server = EngineServer(self.engine, self._finished, self._failed)
 
     async def __call__(self, batch: pa.Table) -> pa.Table:

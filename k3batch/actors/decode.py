@@ -22,6 +22,7 @@ from k3batch.actors.placement import (
     actor_device,
     batch_meta,
     free_endpoint,
+    freeze_start_up,
     get_within,
     join_process_group,
     member_info,
@@ -96,6 +97,7 @@ class DecodeRankActor:
         # graphs), replayed as CUDA graphs on GPUs; every rank captures here at once.
         capture = self.device.type == "cuda" and cfg.cuda_graphs
         self.graphs = DecodeGraphs.build(self.model, self.cache, cfg, capture=capture)
+        freeze_start_up()
 
     def cache_spec(self):
         return self.cache.spec

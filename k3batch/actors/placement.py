@@ -14,6 +14,7 @@ every call on a group goes through: an error from any member surfaces at once, n
 member that hangs.
 """
 
+import gc
 import logging
 import os
 import socket
@@ -47,6 +48,17 @@ def actor_device(device: str) -> "torch.device":
         torch.set_num_threads(1)
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def freeze_start_up() -> None:
+    """Keep the objects alive at the end of an actor's start-up (modules, the model, torch's,
+    Triton's and Ray's: about 470,000 in a Kimi Linear replica on CPU) out of every later
+    garbage collection. A full collection walks every tracked object (0.2 s for those on a
+    2-core CPU) and the step it falls in waits; after this, only what the job made is walked.
+    Called last by the actors that serve (a replica, a Ray Data replica, a prefill stage, a
+    decode rank), never in a caller's own process."""
+    gc.collect()
+    gc.freeze()
 
 
 def free_endpoint() -> tuple[str, int]:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from k3batch.actors.placement import (
     actor_device,
     free_endpoint,
+    freeze_start_up,
     join_process_group,
     member_info,
 )
@@ -75,6 +76,7 @@ class PrefillStageActor:
         self.busy: deque[tuple[float, float]] = deque(maxlen=BUSY_WINDOW)
         self._send = None  # (work, tensor) of the last isend
         self._handoffs: list = []  # (work, buffer) of handoff sends not known to be complete
+        freeze_start_up()
 
     def endpoint(self) -> tuple[str, int]:
         return free_endpoint()

@@ -42,7 +42,7 @@ import uuid
 import ray
 
 from k3batch.actors.failure import ReplicaFailed, describe
-from k3batch.actors.placement import CALL_TIMEOUT_S, get_within
+from k3batch.actors.placement import CALL_TIMEOUT_S, freeze_start_up, get_within
 from k3batch.actors.serve import EngineServer
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import GenerationResult, SamplingParams
@@ -107,6 +107,7 @@ class ReplicaActor:
             from k3batch.metrics import ReplicaMetrics
 
             on_step = ReplicaMetrics(self.engine, **metrics).step
+        freeze_start_up()
         self.server = EngineServer(self.engine, self._finished, self._engine_failed, on_step)
 
     @staticmethod

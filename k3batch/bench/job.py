@@ -28,6 +28,7 @@ alone on a GPU simulated on the wall clock (`bench.sim_device`: by default Kimi 
 H100), so that the job's own overhead against the engine alone shows on a CPU.
 """
 
+import gc
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from k3batch.actors.placement import freeze_start_up
 from k3batch.actors.serve import StepAccount, account_line
 from k3batch.engine.config import EngineConfig
 from k3batch.engine.request import SamplingParams
@@ -149,19 +151,25 @@ def run_engine_alone(engine, prompts: list[list[int]],
                      sampling: SamplingParams | list[SamplingParams]):  # fmt: skip
     """(seconds, output tokens, the steps' account placed in its window) of the prompts through
     the engine (one sampling, or one per prompt), stepped as `Engine.generate` steps it, each
-    step counted as the replica counts its own."""
+    step counted as the replica counts its own, and with the objects made before it kept out
+    of garbage collections as the replica keeps its start-up's (`freeze_start_up`; undone
+    after, since this is the caller's process)."""
     samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
     account = StepAccount.of(engine)
-    t0, t0_unix = time.perf_counter(), time.time()
-    for i, (ids, sp) in enumerate(zip(prompts, samplings)):
-        engine.add_request(str(i), ids, sp)
-    tokens = 0
-    while engine.has_unfinished():
-        start = time.perf_counter()
-        finished = engine.step()
-        account.engine_step(engine, start, time.perf_counter() - start, finished)
-        tokens += sum(len(r.output_token_ids) for r in finished)
-    seconds = time.perf_counter() - t0
+    freeze_start_up()
+    try:
+        t0, t0_unix = time.perf_counter(), time.time()
+        for i, (ids, sp) in enumerate(zip(prompts, samplings)):
+            engine.add_request(str(i), ids, sp)
+        tokens = 0
+        while engine.has_unfinished():
+            start = time.perf_counter()
+            finished = engine.step()
+            account.engine_step(engine, start, time.perf_counter() - start, finished)
+            tokens += sum(len(r.output_token_ids) for r in finished)
+        seconds = time.perf_counter() - t0
+    finally:
+        gc.unfreeze()
     return seconds, tokens, placed(account.to_dict(), t0_unix, t0_unix + seconds)
 
 

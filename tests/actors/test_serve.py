@@ -2,6 +2,8 @@
 steps with room and none waiting, the host's time between steps apart from the time with no
 rows, the slowest steps; and `EngineServer` keeping it over a stub engine (no model, no Ray)."""
 
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -154,3 +156,13 @@ def test_server_accounts_for_every_step_and_the_wait_for_rows():
     assert d["room_steps"] == 4  # the third row's steps (alone) and the fourth's
     assert d["idle_s"] >= 0.04 and d["between_s"] < d["idle_s"]
     assert d["busy_s"]["decode"] == pytest.approx(server.busy_s, abs=1e-3)
+
+
+def test_an_actors_start_up_is_kept_out_of_garbage_collections():
+    """What an actor holds at the end of its start-up is never walked by a collection again
+    (in a process of its own here: freezing is for processes that only serve)."""
+    code = ("import gc, torch; from k3batch.actors.placement import freeze_start_up; "
+            "freeze_start_up(); print(gc.get_freeze_count(), len(gc.get_objects()))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    frozen, tracked = map(int, out.stdout.split())
+    assert frozen > 10_000 and tracked < 100

@@ -2,6 +2,7 @@
 alone; every prompt answered with its fixed number of tokens, the report's numbers filled; and
 on a simulated GPU (`bench.sim_device`), with the steps' accounts of both sides."""
 
+import gc
 import json
 
 import pyarrow.parquet as pq
@@ -28,6 +29,7 @@ def test_job_bench_against_the_engine(cluster, mini_model_dir, tmp_path):
     assert row["job_rows_per_s"] > 0 and row["job_output_tokens_per_s"] > 0
     assert 0 <= row["job_startup_s"] < row["job_wall_s"]
     assert row["engine_output_tokens_per_s"] > 0 and row["job_vs_engine"] > 0
+    assert gc.get_freeze_count() == 0  # the engine alone's frozen objects thawed: our process
     out = [p for p in tmp_path.glob("out-*/**/*.parquet")]
     rows = sum(pq.read_metadata(p).num_rows for p in out)
     assert rows == 4, out
