@@ -70,7 +70,9 @@ def _type(value) -> str:
 class Recorder:
     """Patches the interpreter's launch to note each `k3kernels` launch as a spec
     {module, kernel, signature, constexprs, aligned, num_warps, num_stages}; aligned: the
-    arguments divisible by 16, which the compiler is told as the launcher would (`_aligned`)."""
+    arguments divisible by 16, which the compiler is told as the launcher would (`_aligned`),
+    save those the kernel does not specialize. Two launches that Triton would compile apart
+    give two specs."""
 
     def __init__(self):
         self.specs: dict[str, dict] = {}
@@ -81,12 +83,13 @@ class Recorder:
         run, recorder = InterpretedFunction.run, self
 
         def recording_run(fn, *args, grid, warmup, **kwargs):
-            recorder.note(fn.fn, args, kwargs)
+            recorder.note(fn.fn, args, kwargs, fn.kwargs.get("do_not_specialize") or ())
             return run(fn, *args, grid=grid, warmup=warmup, **kwargs)
 
         InterpretedFunction.run = recording_run
 
-    def note(self, fn, args, kwargs) -> None:
+    def note(self, fn, args, kwargs, unspecialized=()) -> None:
+        """unspecialized: the kernel's `do_not_specialize` names, never marked aligned."""
         if not fn.__module__.startswith("k3kernels."):
             return
         params = inspect.signature(fn).parameters
@@ -98,7 +101,7 @@ class Recorder:
                 constexprs[name] = value
             else:
                 signature[name] = _type(value)
-                if _aligned(value):
+                if _aligned(value) and name not in unspecialized:
                     aligned.append(name)
         spec = {"module": fn.__module__, "kernel": fn.__name__, "signature": signature,
                 "aligned": aligned,

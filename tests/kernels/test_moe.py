@@ -246,6 +246,28 @@ def test_moe_triton_kernels_interpreted_on_cpu():
     _interpreted_checks()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs on CPU")
+def test_blocked_sort_compiles_once_whatever_the_batch(monkeypatch, sm90_recorder):
+    """Triton compiles a kernel again for each new pattern of its integer arguments (multiple
+    of 16 or not), and the blocked sort's slot count M and block count vary with the batch. A
+    cold Kimi Linear job's one slow step (3.85 s of about 0.2, on an H100) was its first of
+    6,016 tokens compiling block_rows_kernel: M a multiple of 16 and 24 blocks, a pair that
+    neither the 8,192-token steps nor the warm-up's 1,147 had. Sorts of every pair (blocks of
+    64 slots here) record one launch spec per kernel (`sm90.Recorder`: what Triton would
+    compile apart), and each sorts as `permute.sort_slots` does."""
+    from k3kernels.moe import route
+
+    monkeypatch.setattr(route, "SORT_BLOCK", 64)
+    E, k = 8, 2
+    # M = T k (multiple of 16 or not) over blocks of 64 (32 or 17: a multiple of 16 or not)
+    for T in (1024, 520, 515, 1023):  # M 2048 / 32 blocks, 1040 / 17, 1030 / 17, 2046 / 32
+        _check_blocked_sort(T, E, k, "cpu")
+    for kernel in ("block_counts_kernel", "block_rows_kernel"):
+        specs = [s for s in sm90_recorder.specs.values() if s["kernel"] == kernel
+                 and s["constexprs"]["BLOCK"] == 64 and s["constexprs"]["BINS"] == 16]  # fmt: skip
+        assert len(specs) == 1, (kernel, [s["aligned"] for s in specs])
+
+
 def _check_route_and_sort(T, E, k, device, first_expert=0, local=None):
     """The routing kernel against `route_reference` (same ids, weights within fp32 rounding)
     and the counting sort against `permute.sort_slots` (equal)."""
