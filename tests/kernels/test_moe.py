@@ -408,6 +408,23 @@ def test_route_and_sort_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_blocked_sort_compiles_once_whatever_the_batch_gpu():
+    """The interpreted test's claim where Triton really compiles: Kimi Linear's sort (256
+    experts, top-8) at the warm-up's token counts, then at the job's steps after them (a
+    cold job compiled block_rows_kernel at 6,016 tokens), compiles nothing more."""
+    from k3batch.engine import compiles
+
+    assert compiles.watch()
+    for T in (8192, 1147):  # the warm-up's batches
+        _check_blocked_sort(T, 256, 8, "cuda")
+    compiles.take()
+    for T in (8064, 6016, 2176):  # the end of a job's first wave
+        _check_blocked_sort(T, 256, 8, "cuda")
+    assert not {"block_counts_kernel", "block_rows_kernel"} & set(compiles.take())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_grouped_mm_triton_gpu():
     _check_grouped_mm_triton("cuda")
     _check_grouped_mm_triton("cuda", block_m=16, block_t=0, block_n=64, block_k=128,
