@@ -253,18 +253,19 @@ def test_blocked_sort_compiles_once_whatever_the_batch(monkeypatch, sm90_recorde
     cold Kimi Linear job's one slow step (3.85 s of about 0.2, on an H100) was its first of
     6,016 tokens compiling block_rows_kernel: M a multiple of 16 and 24 blocks, a pair that
     neither the 8,192-token steps nor the warm-up's 1,147 had. Sorts of every pair (blocks of
-    64 slots here) record one launch spec per kernel (`sm90.Recorder`: what Triton would
+    16 slots here) record one launch spec per kernel (`sm90.Recorder`: what Triton would
     compile apart), and each sorts as `permute.sort_slots` does."""
     from k3kernels.moe import route
 
-    monkeypatch.setattr(route, "SORT_BLOCK", 64)
+    monkeypatch.setattr(route, "MAX_SLOTS", 16)  # the blocked sort from 17 slots, 16 a block
+    monkeypatch.setattr(route, "SORT_BLOCK", 16)
     E, k = 8, 2
-    # M = T k (multiple of 16 or not) over blocks of 64 (32 or 17: a multiple of 16 or not)
-    for T in (1024, 520, 515, 1023):  # M 2048 / 32 blocks, 1040 / 17, 1030 / 17, 2046 / 32
+    # M = T k (multiple of 16 or not) over blocks of 16 (16 or 3: a multiple of 16 or not)
+    for T in (128, 24, 23, 127):  # M 256 / 16 blocks, 48 / 3, 46 / 3, 254 / 16
         _check_blocked_sort(T, E, k, "cpu")
     for kernel in ("block_counts_kernel", "block_rows_kernel"):
         specs = [s for s in sm90_recorder.specs.values() if s["kernel"] == kernel
-                 and s["constexprs"]["BLOCK"] == 64 and s["constexprs"]["BINS"] == 16]  # fmt: skip
+                 and s["constexprs"]["BLOCK"] == 16 and s["constexprs"]["BINS"] == 16]  # fmt: skip
         assert len(specs) == 1, (kernel, [s["aligned"] for s in specs])
 
 
