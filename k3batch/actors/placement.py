@@ -56,7 +56,7 @@ def freeze_start_up() -> None:
     garbage collection. A full collection walks every tracked object (0.2 s for those on a
     2-core CPU) and the step it falls in waits; after this, only what the job made is walked.
     Called last by the actors that serve (a replica, a Ray Data replica, a prefill stage, a
-    decode rank), never in a caller's own process."""
+    decode rank); `bench job`'s engine-alone run, in the caller's process, thaws them after."""
     gc.collect()
     gc.freeze()
 
