@@ -96,8 +96,10 @@ def measure_workspace(model, config: EngineConfig, layout: CacheLayout) -> int:
     arguments that are not multiples of 16 or equal to 1, and for chunks with a cached prefix,
     so the first forward's requests then continue by WARM_TAIL tokens: all but the first
     together (the steady state of a long prompt's chunks: many sequences, cached prefixes),
-    then the first alone. With the decode graphs' capture, a job's steps then compile nothing
-    (one H200, k3-slice, 1,024 prompts of 1,024 tokens with only the lone continuation: the
+    then the first alone. These cover each batch-dependent integer both ways; a kernel that
+    takes two of them leaves them unspecialized instead (`k3kernels.moe.route`'s blocked sort),
+    since their mixed patterns come only with a job's batches. With the decode graphs'
+    capture, a job's steps then compile nothing (one H200, k3-slice, 1,024 prompts of 1,024 tokens with only the lone continuation: the
     first run's prefill steps took 76 s, 24.6 s once Triton's cache held them). Compiled
     kernels and fla's tuning results persist in Triton's cache directory, so a restarted
     replica compiles nothing either. Then `model.warm_up`: what fla tunes by token count
