@@ -5,7 +5,8 @@
 # tests: the GPU kernel tests at Kimi Linear's shapes against their fp32 references, and those
 #   of the passes folded into other kernels (the GEMMs' gather and activation, the conv's q/k norm);
 # tune: `bench moe --sweep --save-tuned` at its bf16 prefill (8,192 tokens) and decode (16 and
-#   256) expert shapes, MLA prefill/decode and KDA decode at its 32 heads, then MXFP4's, into
+#   256) expert shapes, MLA prefill/decode, KDA decode and our KDA prefill kernels (short conv,
+#   chunk state) at its 32 heads, then MXFP4's, into
 #   this GPU's tuned tables (the ones written, copied to $OUT/tuned_<op>_<GPU>.json: copy them
 #   back to kernels/<op>/tuned/<GPU>.json);
 # job: `bench job --flavor kimi-linear --experts mxfp4` at 1,024 prompts of 1K in / 256 out
@@ -49,6 +50,7 @@ if [[ $parts == *tune* ]]; then
              "mla-prefill --heads 32 --seq-lens 8192" \
              "mla-decode --heads 32 --page-size 16 --batch 1,16,64,256 --context-len 8192,1024,1024,1024" \
              "kda-decode --heads 32 --batch 1,16,64,256 --no-fla" \
+             "kda-prefill --heads 32 --tokens 8192 --seqs 1,8" \
              "moe mxfp4 8192" "moe mxfp4 256" "moe mxfp4 16"; do
     [ "$(left)" -lt 60 ] && { echo "skipped (time): tune $row"; continue; }
     echo "=== tune $row ($(left) s left)"
@@ -59,7 +61,7 @@ if [[ $parts == *tune* ]]; then
         --json /tmp/moe_kimi_linear_sweep.jsonl 2>&1 | grep -v Warning | best_rows
     else
       timeout 110 python3 -m k3batch.cli bench $row --sweep --save-tuned \
-        --json /tmp/kernel_sweeps_kimi_linear.jsonl 2>&1 | grep -v Warning | tail -3
+        --json /tmp/kernel_sweeps_kimi_linear.jsonl 2>&1 | grep -v -e Warning -e '^{"'
     fi
   done 2>&1 | tee -a "$OUT/kimi_linear_tune.txt"
   # one file per op, only the tables this call wrote (the device returns a few files only;

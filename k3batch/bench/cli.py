@@ -435,6 +435,29 @@ def bench_kda_decode(batch, heads, sweep, save_tuned, fla, json_path):
         _append_jsonl(json_path, [r])
 
 
+@bench.command("kda-prefill")
+@click.option("--tokens", default=8192, show_default=True, type=int, help="Packed tokens.")
+@click.option("--seqs", default="1", show_default=True, callback=_int_list,
+              help="Sequences sharing the tokens; several, comma-separated (1,8): one run each.")
+@click.option("--heads", default=96, show_default=True, type=int, help="KDA heads (96: K3).")
+@click.option("--sweep", is_flag=True, help="Time the launch configurations; report the best.")
+@click.option("--save-tuned", is_flag=True, help=SAVE_TUNED_HELP)
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def bench_kda_prefill(tokens, seqs, heads, sweep, save_tuned, json_path):
+    """Our KDA prefill kernels (short conv, chunk recurrence) as the model calls them:
+    bandwidth on the bytes each must move vs the copy bandwidth."""
+    from k3batch.bench.kernels import format_result, run_kda_prefill_bench
+
+    _check_save_tuned(sweep, save_tuned)
+    for n in seqs:
+        results = run_kda_prefill_bench(tokens=tokens, seqs=n, heads=heads, sweep=sweep,
+                                        on_row=lambda row: click.echo(json.dumps(row)))  # fmt: skip
+        for name, r in results.items():
+            click.echo(format_result(name, r))
+            _save_tuned(name, r, save_tuned)
+            _append_jsonl(json_path, [{"kernel": name} | r])
+
+
 @bench.command("mla-prefill")
 @click.option("--seq-lens", default="8192", show_default=True, help="New tokens per sequence.")
 @click.option("--cached-lens", default=None, help="Cached prefix per sequence (default 0).")

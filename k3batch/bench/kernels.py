@@ -1,4 +1,5 @@
-"""`k3batch bench mla-decode` / `mla-prefill` / `kda-decode`: attention kernels alone on one GPU.
+"""`k3batch bench mla-decode` / `mla-prefill` / `kda-decode` / `kda-prefill`: attention kernels
+alone on one GPU.
 
 mla-decode: the paged absorbed decode kernel (split-K + merge) over B sequences of a fixed
 context, pages handed out in a shuffled order; reports the bandwidth on the latent bytes it
@@ -8,6 +9,8 @@ reports useful TFLOP/s (causal pairs only) against the measured bf16 GEMM peak.
 kda-decode: the in-place recurrent KDA step over B sequences (K3 heads), states in shuffled
 arena blocks; reports the bandwidth on the state bytes (read and written, fp32) against the
 copy bandwidth, and fla's recurrent kernel on the same inputs for comparison.
+kda-prefill: our two KDA prefill kernels (the short conv, the chunk recurrence) as the model
+calls them; reports each one's bandwidth on the bytes it must move.
 Times are medians of `triton.testing.do_bench` (L2 flushed between runs), except mla-decode's:
 replays of a CUDA graph of the call, as the engine's decode step runs it (do_bench's timing of
 the eager call took in ~20 us of the host's launches: 0.188 against 0.165 ms at 12 heads).
@@ -315,6 +318,74 @@ def run_kda_decode_bench(*, batch: int = 64, heads: int = 96, head_dim: int = 12
     }  # fmt: skip
 
 
+def run_kda_prefill_bench(*, tokens: int = 8192, seqs: int = 1, heads: int = 96,
+                          head_dim: int = 128, sweep: bool = False,
+                          on_row=None) -> dict[str, dict]:  # fmt: skip
+    """Our two KDA prefill kernels as the model calls them, on `seqs` sequences sharing
+    `tokens`, cold: {"kda-conv": the short conv over q|k|v (a column block of the fused
+    projection, three parts out, q and k L2-normed), "kda-chunk-state": the chunk recurrence}.
+    Bandwidth on the bytes each must move (the conv: x read, y written; the chunk state: its
+    inputs read, h and v_new written) against the copy bandwidth."""
+    from k3kernels.kda import chunk_state as S
+    from k3kernels.kda import conv_prefill as C
+    from k3kernels.kda.varlen import CHUNK_SIZE, as_varlen
+
+    H, D, W, T = heads, head_dim, 4, tokens
+    lens = [T // seqs + (i < T % seqs) for i in range(seqs)]
+    cu = as_varlen([0, *itertools.accumulate(lens)], torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    slots = torch.randperm(2 * seqs + 1, device="cuda", generator=g)[:seqs]
+    warm = torch.zeros(seqs, dtype=torch.long, device="cuda")
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    # the conv's input: q|k|v, the first 3C columns of the fused projection
+    proj = torch.randn(T, 3 * H * D + 2 * D + H, generator=g, **bf16)
+    x, weight = proj[:, : 3 * H * D], torch.randn(3 * H * D, W, device="cuda", generator=g)
+    conv_pool = torch.zeros(2 * seqs + 1, 3 * H * D, W - 1, **bf16)
+    parts = dict(num_parts=3, norm_parts=2, head_dim=D)
+    # the chunk recurrence's inputs: WY terms of unit scale, gates decaying within each chunk
+    kg, w, u = (torch.randn(T, H, D, generator=g, **bf16) * 0.1 for _ in range(3))
+    gk = -torch.rand(T, H, D, device="cuda", generator=g).mul(0.05).cumsum(0)
+    state_pool = torch.zeros(2 * seqs + 1, H, D, D, device="cuda")
+    chunks = sum(-(-n // CHUNK_SIZE) for n in lens)
+    kernels = {
+        "kda-conv": (
+            C.launch_config(T, 3 * H * D, W, 3, 2), 2 * x.numel() * x.element_size(),
+            lambda cfg: C.short_conv_prefill_(x, weight, conv_pool, slots, warm, cu, **parts,
+                                              **cfg),
+            [dict(block_t=bt, block_c=bc, num_warps=nw)
+             for bt, bc, nw in itertools.product((16, 32, 64), (128, 256), (4, 8))],
+            C.table_key(T, 3 * H * D, W, 3, 2)),
+        "kda-chunk-state": (
+            S.launch_config(seqs, H, D, D, x.device),
+            (3 * T * H * D + chunks * H * D * D + T * H * D) * 2 + gk.numel() * 4,
+            lambda cfg: S.chunk_state_prefill_(kg, w, u, gk, state_pool=state_pool, slots=slots,
+                                               warm=warm, cu_seqlens=cu, **cfg),
+            [dict(block_v=bv, num_warps=nw, num_stages=ns)
+             for bv, nw, ns in itertools.product((16, 32, 64), (4, 8), (2, 3))],
+            S.table_key(seqs, H, D, D)),
+    }  # fmt: skip
+    out = {}
+    for name, (base, nbytes, run, grid, key) in kernels.items():
+        rate = lambda ms, n=nbytes: {"tbps": n / ms / 1e9}  # noqa: E731
+        default_ms = _median_ms(lambda: run(base))
+        tried = []
+        if sweep:
+            tried = _sweep(grid, lambda cfg, run=run: _median_ms(lambda: run(cfg)), rate,
+                           on_row and (lambda row, n=name: on_row({"kernel": n} | row)))
+        ok = [t for t in tried if "ms" in t]
+        best = min(ok, key=lambda t: t["ms"]) if ok else base | {"ms": default_ms}
+        out[name] = {
+            "tokens": T, "seqs": seqs, "heads": H, "head_dim": D, "bytes": nbytes,
+            "default": base | {"ms": default_ms} | rate(default_ms),
+            "default_fraction_of_copy": rate(default_ms)["tbps"] / device_rates()[1],
+            "best": best | rate(best["ms"]),
+            "sweep": sorted(ok, key=lambda t: t["ms"])[:10],
+            "errors": [t for t in tried if "error" in t][:10],
+            "key": key, "launch": {k: best[k] for k in base},
+        }  # fmt: skip
+    return out
+
+
 def _fla_recurrent_step(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, state_pool,
                         slots):  # fmt: skip
     """fla-core 0.6.0's recurrent KDA kernel in place (V in blocks of 32), for comparison."""
@@ -333,7 +404,9 @@ def _fla_recurrent_step(q, k, v, f, b, A_log, dt_bias, *, lower_bound, scale, st
 # bench name -> (kernel module, its table in the op's tuned file)
 TABLES = {"mla-decode": ("k3kernels.mla.decode", "decode"),
           "mla-prefill": ("k3kernels.mla.prefill", "prefill"),
-          "kda-decode": ("k3kernels.kda.recurrent_decode", "decode")}  # fmt: skip
+          "kda-decode": ("k3kernels.kda.recurrent_decode", "decode"),
+          "kda-conv": ("k3kernels.kda.conv_prefill", "conv_prefill"),
+          "kda-chunk-state": ("k3kernels.kda.chunk_state", "chunk_state")}  # fmt: skip
 
 
 def save_best(name: str, r: dict) -> Path:

@@ -28,11 +28,12 @@ whole batch (sum over sequences of cdiv(len, BT)), NB blocks of the arena.
 """
 
 import functools
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
-from k3kernels import INTERPRETED
+from k3kernels import INTERPRETED, tuned
 from k3kernels.kda.varlen import CHUNK_SIZE, as_varlen
 
 # Launch settings: the best of 36 on one H200 at k3-slice shapes (96 heads of 128, bf16; 1 x 8,192
@@ -42,9 +43,13 @@ from k3kernels.kda.varlen import CHUNK_SIZE, as_varlen
 # where 64-wide blocks leave most SMs idle (Kimi Linear's 32 heads on one 8K prompt: 64
 # programs on 132 SMs) narrower blocks are taken (`pick_block_v`), each re-reading the chunk's
 # w and kg tiles in exchange.
+# The tuned table (`k3kernels.tuned`: table "chunk_state" of tuned/<GPU>.json, keys
+# `table_key`, written by `k3batch bench kda-prefill --sweep --save-tuned`) overrides these and
+# the rule at its shapes.
 BLOCK_V = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
+TUNED_DIR = Path(__file__).with_name("tuned")
 
 
 @triton.jit
@@ -145,16 +150,33 @@ def pick_block_v(num_seqs: int, num_heads: int, v_dim: int, device: torch.device
     return block_v
 
 
+def table_key(num_seqs: int, num_heads: int, k_dim: int, v_dim: int) -> str:
+    """The tuned-table key of a batch of num_seqs sequences (the grid is V blocks x sequences x
+    heads): heads and head dims; the sequences as its size."""
+    return tuned.make_key(f"H={num_heads} K={k_dim} V={v_dim}", "seqs", num_seqs)
+
+
+def launch_config(num_seqs: int, num_heads: int, k_dim: int, v_dim: int,
+                  device: torch.device) -> dict:  # fmt: skip
+    """{block_v, num_warps, num_stages}: the current GPU's tuned entry for this shape at the
+    nearest sequence count, else `pick_block_v` and the defaults above."""
+    found = tuned.lookup(tuned.gpu_path(TUNED_DIR), "chunk_state",
+                         table_key(num_seqs, num_heads, k_dim, v_dim))  # fmt: skip
+    return dict(block_v=pick_block_v(num_seqs, num_heads, v_dim, device), num_warps=NUM_WARPS,
+                num_stages=NUM_STAGES) | found  # fmt: skip
+
+
 def chunk_state_prefill_(kg, w, u, gk, *, state_pool, slots, warm, cu_seqlens,
                          chunk_size: int = 64, block_v: int | None = None,
-                         num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES):  # fmt: skip
+                         num_warps: int | None = None,
+                         num_stages: int | None = None):  # fmt: skip
     """The chunk recurrence for a packed batch, states in place on the cache.
 
     kg, w: [T, H, K] (k's dtype); u: [T, H, V]; gk: [T, H, K] chunk-local cumulative log2
     gates (fp32); state_pool: [NB, H, K, V] fp32 (a view into the arena, each block's state
     contiguous); slots: [N] distinct int device indices; warm: [N] device ints or bools (0:
     start from zeros); cu_seqlens: N+1 offsets, a host list or a `Varlen` (its device tables
-    reused); block_v: V columns per program (default `pick_block_v`).
+    reused); block_v, num_warps, num_stages: the launch (each by default `launch_config`'s).
     Returns (h [NT, H, K, V] in kg's dtype, the state entering each chunk; v_new [T, H, V] in
     u's dtype). The final states are written to state_pool[slots].
     """
@@ -178,9 +200,10 @@ def chunk_state_prefill_(kg, w, u, gk, *, state_pool, slots, warm, cu_seqlens,
     else:  # one host-to-device copy for both, queued without waiting for the device
         table = torch.tensor([list(cu_seqlens), offsets], dtype=torch.long)
         table = table.to(kg.device, non_blocking=True)
+    launch = launch_config(N, H, K, V, kg.device)
+    num_warps, num_stages = num_warps or launch["num_warps"], num_stages or launch["num_stages"]
     # tl.dot needs every tile dim >= 16; masks cover the padding.
-    block_v = block_v or pick_block_v(N, H, V, kg.device)
-    block_v = max(16, min(block_v, triton.next_power_of_2(V)))
+    block_v = max(16, min(block_v or launch["block_v"], triton.next_power_of_2(V)))
     upcast = INTERPRETED and (kg.dtype, w.dtype) != (torch.float32, torch.float32)
     chunk_state_prefill_kernel[(triton.cdiv(V, block_v), N * H)](
         kg, w, u, gk, h, v_new, state_pool, slots, warm, table[0], table[1],

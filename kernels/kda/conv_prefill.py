@@ -26,18 +26,25 @@ update is race-free. The conv sums fp32 products; the state is copied exactly.
 Shape legend: T packed tokens, N sequences, C channels, W conv width, NB blocks of the arena.
 """
 
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
+from k3kernels import tuned
 from k3kernels.kda.varlen import as_varlen
 
-# Launch settings: the best of 18 on one H200 with the interior path (12,288 bf16 channels, 1 x
-# 8,192 and 4 x 2,048 tokens, within 1% of the best at both): 0.265 ms as timed with the host's
-# launch, against 0.328 before that path and 0.58 for fla's causal_conv1d with the state gathered
-# and scattered around it (benchmarks/kernels_h200.txt).
+# Launch settings by default: the best of 18 on one H200 with the interior path (12,288 bf16
+# channels in one part, no norm, 1 x 8,192 and 4 x 2,048 tokens, within 1% of the best at both):
+# 0.265 ms as timed with the host's launch, against 0.328 before that path and 0.58 for fla's
+# causal_conv1d with the state gathered and scattered around it (benchmarks/kernels_h200.txt).
+# The tuned table (`k3kernels.tuned`: table "conv_prefill" of tuned/<GPU>.json, keys
+# `table_key`, written by `k3batch bench kda-prefill --sweep --save-tuned` at the model's call:
+# q|k|v in three parts, q and k normed) overrides them at its shapes.
 BLOCK_T = 32
 BLOCK_C = 256
 NUM_WARPS = 4
+TUNED_DIR = Path(__file__).with_name("tuned")
 
 
 @triton.jit
@@ -131,6 +138,23 @@ def conv_state_update_kernel(
     tl.debug_barrier()  # every thread has read the old state before any overwrites it
     p_new = p_state[:, None] + o_w[None, :] * stride_pw
     tl.store(p_new, b_new.to(pool.dtype.element_ty), mask=m_c[:, None] & m_w[None, :])
+
+
+def table_key(num_tokens: int, channels: int, width: int, num_parts: int = 1,
+              norm_parts: int = 0) -> str:  # fmt: skip
+    """The tuned-table key of a conv over num_tokens packed tokens: channels, width and the
+    output's parts (normed ones first); the tokens as its size."""
+    shape = f"C={channels} W={width} parts={num_parts} norm={norm_parts}"
+    return tuned.make_key(shape, "tokens", num_tokens)
+
+
+def launch_config(num_tokens: int, channels: int, width: int, num_parts: int = 1,
+                  norm_parts: int = 0) -> dict:  # fmt: skip
+    """{block_t, block_c, num_warps}: the current GPU's tuned entry for this shape at the
+    nearest token count, else the defaults above."""
+    key = table_key(num_tokens, channels, width, num_parts, norm_parts)
+    found = tuned.lookup(tuned.gpu_path(TUNED_DIR), "conv_prefill", key)
+    return dict(block_t=BLOCK_T, block_c=BLOCK_C, num_warps=NUM_WARPS) | found
 
 
 def short_conv_prefill_(x_TC, weight_CW, pool_BCW, slots_N, warm_N, cu_seqlens, *,

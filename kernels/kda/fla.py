@@ -142,16 +142,19 @@ def short_conv_decode_(x_NC, weight_CW, pool_BCW, slots):
 def short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens, num_parts: int = 1,
                         norm_parts: int = 0, head_dim: int = 0):  # fmt: skip
     """`short_conv` in place on the cache: `k3kernels.kda.conv_prefill` (fla's causal_conv1d
-    reads and writes states only through [N, C, W] tensors). Returns y [num_parts, T, C /
-    num_parts], the first norm_parts parts L2-normed over heads of head_dim: in the conv's
-    kernel where its channel blocks hold whole heads (a power of two up to BLOCK_C: K3's and
-    Kimi Linear's 128), else by fla's L2 norm after it."""
-    from k3kernels.kda.conv_prefill import BLOCK_C, short_conv_prefill_
+    reads and writes states only through [N, C, W] tensors), launched as tuned for its shape
+    (`launch_config`). Returns y [num_parts, T, C / num_parts], the first norm_parts parts
+    L2-normed over heads of head_dim: in the conv's kernel where its channel blocks hold whole
+    heads (a power of two up to the block: K3's and Kimi Linear's 128), else by fla's L2 norm
+    after it."""
+    from k3kernels.kda.conv_prefill import launch_config, short_conv_prefill_
 
-    fused = head_dim > 0 and head_dim & (head_dim - 1) == 0 and BLOCK_C % head_dim == 0
+    (T, C), W = x.shape, weight_CW.shape[1]
+    launch = launch_config(T, C, W, num_parts, norm_parts)
+    fused = head_dim > 0 and head_dim & (head_dim - 1) == 0 and launch["block_c"] % head_dim == 0
     y = short_conv_prefill_(x, weight_CW, pool_BCW, slots, warm, cu_seqlens,
                             num_parts=num_parts, norm_parts=norm_parts if fused else 0,
-                            head_dim=head_dim if fused else 0)  # fmt: skip
+                            head_dim=head_dim if fused else 0, **launch)  # fmt: skip
     if norm_parts and not fused:
         from fla.modules.norm.l2norm import l2norm_fwd
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from k3kernels import tuned
+from k3kernels.kda import chunk_state, conv_prefill
 from k3kernels.kda import recurrent_decode as kda
 from k3kernels.mla import decode as mla_decode
 from k3kernels.mla import prefill as mla_prefill
@@ -45,7 +46,8 @@ def test_moe_save_best_writes_both_gemms_of_the_flavor(tmp_path, monkeypatch, gp
 
 
 @pytest.mark.parametrize("name,module", [("mla-decode", mla_decode), ("mla-prefill", mla_prefill),
-                                         ("kda-decode", kda)])  # fmt: skip
+                                         ("kda-decode", kda), ("kda-conv", conv_prefill),
+                                         ("kda-chunk-state", chunk_state)])  # fmt: skip
 def test_kernel_save_best_writes_the_results_key(tmp_path, monkeypatch, gpu_named, name, module):
     monkeypatch.setattr(module, "TUNED_DIR", tmp_path)
     table = kernels.TABLES[name][1]
@@ -72,7 +74,7 @@ def test_sweep_grids_hold_valid_launches():
         assert mla_decode.default_config(heads, page) in kernels.mla_decode_tiles(heads)
 
 
-@pytest.mark.parametrize("bench", ["mla-decode", "mla-prefill", "kda-decode", "moe"])
+@pytest.mark.parametrize("bench", ["mla-decode", "mla-prefill", "kda-decode", "kda-prefill", "moe"])
 def test_save_tuned_needs_a_sweep(bench):
     out = CliRunner().invoke(main, ["bench", bench, "--save-tuned"])
     assert out.exit_code == 2 and "--save-tuned needs --sweep" in out.output

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 from k3kernels import tuned
+from k3kernels.kda import chunk_state, conv_prefill
 from k3kernels.kda import recurrent_decode as kda
 from k3kernels.mla import decode as mla_decode
 from k3kernels.mla import prefill as mla_prefill
@@ -186,3 +187,23 @@ def test_attention_launches_read_their_shape_entries(tmp_path, read_table):
     assert mla_prefill.launch_config(4096, 96)["block_m"] == mla_prefill.BLOCK_M
     assert kda.launch_config(1, 32) == {"block_v": 32, "num_warps": 2}
     assert kda.launch_config(1, 96) == {"block_v": kda.BLOCK_V, "num_warps": kda.NUM_WARPS}
+
+
+def test_kda_prefill_launches_read_their_shape_entries(tmp_path, read_table):
+    """The KDA short conv (by channels, width and parts) and the chunk recurrence (by heads and
+    head dims) take their shape's entry at the nearest size; elsewhere the conv keeps its
+    defaults and the chunk state its rule (`pick_block_v`)."""
+    conv = {"block_t": 16, "block_c": 128, "num_warps": 8}
+    state = {"block_v": 16, "num_warps": 8, "num_stages": 3}
+    read_table(_write(tmp_path / "NVIDIA_H200.json", {
+        "conv_prefill": {conv_prefill.table_key(8192, 12288, 4, 3, 2): conv},
+        "chunk_state": {chunk_state.table_key(1, 32, 128, 128): state}}))  # fmt: skip
+    assert conv_prefill.launch_config(6000, 12288, 4, 3, 2) == conv
+    assert conv_prefill.launch_config(8192, 12288, 4, 1, 0) == dict(
+        block_t=conv_prefill.BLOCK_T, block_c=conv_prefill.BLOCK_C,
+        num_warps=conv_prefill.NUM_WARPS)  # another shape: the defaults
+    cpu = torch.device("cpu")
+    assert chunk_state.launch_config(2, 32, 128, 128, cpu) == state
+    assert chunk_state.launch_config(1, 96, 128, 128, cpu) == dict(
+        block_v=chunk_state.BLOCK_V, num_warps=chunk_state.NUM_WARPS,
+        num_stages=chunk_state.NUM_STAGES)  # fmt: skip
