@@ -353,7 +353,7 @@ def run_kda_prefill_bench(*, tokens: int = 8192, seqs: int = 1, heads: int = 96,
             lambda cfg: C.short_conv_prefill_(x, weight, conv_pool, slots, warm, cu, **parts,
                                               **cfg),
             [dict(block_t=bt, block_c=bc, num_warps=nw)
-             for bt, bc, nw in itertools.product((16, 32, 64), (128, 256), (4, 8))],
+             for bt, bc, nw in itertools.product((16, 32, 64), (256, 512, 1024), (4, 8))],
             C.table_key(T, 3 * H * D, W, 3, 2)),
         "kda-chunk-state": (
             S.launch_config(seqs, H, D, D, x.device),

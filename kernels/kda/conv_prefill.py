@@ -14,14 +14,18 @@ over q and k (a read and a write of [T, C] each, 20 a Kimi Linear prefill) do no
 oracle is `reference.short_conv_prefill_`.
 
 Two launches, in stream order. `short_conv_prefill_kernel`: program (channel block, token
-block, sequence) computes BLOCK_T outputs, each from W shifted loads that read the old state
-where they reach before the first token (a block wholly inside the sequence, past its first
-W-1 tokens, skips those loads and the token masks); it writes only y. (A first version walked
-each sequence in one program per channel block: 96 programs for one 8,192-token sequence at K3's
-12,288 channels, 0.65 ms per call on an H200, 6% of a prefill.) `conv_state_update_kernel`
-then runs once per (channel block, sequence): it reads the old state and the last inputs,
-and writes the new state; no other program touches those channels of that block, so the
-update is race-free. The conv sums fp32 products; the state is copied exactly.
+block, sequence) walks BLOCK_T tokens in steps of 8 rows, keeping the last W-1 input rows
+(the window) in registers: each row of x is read from memory once (the window's first rows come
+from x or, before the sequence's first token, from its old state), and a step's 8 loads are
+issued before its first output (a store there would keep the next load behind it: the compiler
+cannot know that x and y do not overlap); it writes only y. W is at most 4 (K3's and Kimi Linear's width). (Earlier
+versions: one program walking a whole sequence per channel block, 96 programs for one
+8,192-token sequence at K3's 12,288 channels, 0.65 ms per call on an H200; then a [BLOCK_T,
+BLOCK_C] tile from W shifted loads of x, 0.265 ms there (0.28 ms a call in Kimi Linear's 8K
+prefill with q and k normed), each input row read W times and 211 registers a thread.)
+`conv_state_update_kernel` then runs once per (channel block, sequence): it reads the old state
+and the last inputs, and writes the new state; no other program touches those channels of that
+block, so the update is race-free. The conv sums fp32 products; the state is copied exactly.
 
 Shape legend: T packed tokens, N sequences, C channels, W conv width, NB blocks of the arena.
 """
@@ -34,17 +38,25 @@ import triton.language as tl
 from k3kernels import tuned
 from k3kernels.kda.varlen import as_varlen
 
-# Launch settings by default: the best of 18 on one H200 with the interior path (12,288 bf16
-# channels in one part, no norm, 1 x 8,192 and 4 x 2,048 tokens, within 1% of the best at both):
-# 0.265 ms as timed with the host's launch, against 0.328 before that path and 0.58 for fla's
-# causal_conv1d with the state gathered and scattered around it (benchmarks/kernels_h200.txt).
-# The tuned table (`k3kernels.tuned`: table "conv_prefill" of tuned/<GPU>.json, keys
-# `table_key`, written by `k3batch bench kda-prefill --sweep --save-tuned` at the model's call:
-# q|k|v in three parts, q and k normed) overrides them at its shapes.
+# Launch settings by default (not yet timed on a GPU: `k3batch bench kda-prefill --sweep`
+# times the grid); the tuned table (`k3kernels.tuned`: table "conv_prefill" of tuned/<GPU>.json,
+# keys `table_key`, written by `k3batch bench kda-prefill --sweep --save-tuned` at the model's
+# call: q|k|v in three parts, q and k normed) overrides them at its shapes.
 BLOCK_T = 32
-BLOCK_C = 256
+BLOCK_C = 1024
 NUM_WARPS = 4
 TUNED_DIR = Path(__file__).with_name("tuned")
+
+
+@triton.jit
+def _input_row(x, bos, src, stride_x, o_c, m_c, p_state, stride_pw, first, W: tl.constexpr):
+    """Input row src of a sequence ([BC] channels): x's where src >= 0, else the conv state's
+    column src + W - 1 where src >= first (a warm sequence), else zeros."""
+    src_c = src + tl.zeros_like(o_c)  # masks as vectors (the interpreter refuses scalar ones)
+    b_x = tl.load(x + (bos + src) * stride_x + o_c, mask=m_c & (src_c >= 0), other=0.0)
+    m_s = m_c & (src_c < 0) & (src_c >= first)
+    b_s = tl.load(p_state + (src + W - 1) * stride_pw, mask=m_s, other=0.0)
+    return tl.where(src_c >= 0, b_x, b_s.to(b_x.dtype))  # the state read in x's dtype
 
 
 @triton.jit
@@ -72,43 +84,82 @@ def short_conv_prefill_kernel(
     i_c, i_t, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    if i_t * BT < T:
+    t0 = i_t * BT
+    if t0 < T:
         slot = tl.load(slots + i_n).to(tl.int64)
         # First state column to read: 1 - W (all of it) when warm, else none (src >= 0 only).
         first = tl.where(tl.load(warm + i_n) != 0, 1 - W, 0)
         o_c = i_c * BC + tl.arange(0, BC)
         m_c = o_c < C
         p_state = pool + slot * stride_pb + o_c * stride_pc  # [BC], column 0 of the state
-        o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < T
-        acc = tl.zeros([BT, BC], dtype=tl.float32)
-        if (i_t * BT >= W - 1) & (i_t * BT + BT <= T):  # every input in x: no state, no t mask
-            for j in tl.static_range(W):
-                p_x = x + (bos + o_t - (W - 1) + j)[:, None] * stride_x + o_c[None, :]
-                b_x = tl.load(p_x, mask=m_c[None, :], other=0.0)
-                b_w = tl.load(weight + o_c * W + j, mask=m_c, other=0.0)
-                acc += b_x.to(tl.float32) * b_w[None, :]
-        else:
-            for j in tl.static_range(W):
-                src = o_t - (W - 1) + j
-                in_x = src >= 0
-                m_x = (m_t & in_x)[:, None] & m_c[None, :]
-                p_x = x + (bos + src)[:, None] * stride_x + o_c[None, :]
-                b_x = tl.load(p_x, mask=m_x, other=0.0)
-                m_s = (m_t & (src < 0) & (src >= first))[:, None] & m_c[None, :]
-                p_s = p_state[None, :] + (src + W - 1)[:, None] * stride_pw
-                b_s = tl.load(p_s, mask=m_s, other=0.0).to(b_x.dtype)  # state read in x's dtype
-                b_w = tl.load(weight + o_c * W + j, mask=m_c, other=0.0)
-                acc += tl.where(in_x[:, None], b_x, b_s).to(tl.float32) * b_w[None, :]
-        b_y = tl.fdiv(acc, 1.0 + tl.exp(-acc))  # SiLU; the approximate quotient (2 ulp)
+        # The taps, oldest input first: w_j multiplies x_{t-W+1+j} (widths under 4 have zeros
+        # for the missing oldest taps, and their rows are never read).
+        w_3 = tl.load(weight + o_c * W + W - 1, mask=m_c, other=0.0)
+        w_0, w_1, w_2 = tl.zeros_like(w_3), tl.zeros_like(w_3), tl.zeros_like(w_3)
+        if W >= 4:
+            w_0 = tl.load(weight + o_c * W + W - 4, mask=m_c, other=0.0)
+        if W >= 3:
+            w_1 = tl.load(weight + o_c * W + W - 3, mask=m_c, other=0.0)
+        if W >= 2:
+            w_2 = tl.load(weight + o_c * W + W - 2, mask=m_c, other=0.0)
+        # The window: the W-1 inputs before the block's first token (x_{t-3}, x_{t-2}, x_{t-1})
+        a_3 = _input_row(x, bos, t0 - 3, stride_x, o_c, m_c, p_state, stride_pw, first, W)
+        a_2 = _input_row(x, bos, t0 - 2, stride_x, o_c, m_c, p_state, stride_pw, first, W)
+        a_1 = _input_row(x, bos, t0 - 1, stride_x, o_c, m_c, p_state, stride_pw, first, W)
         part = (o_c // CP).to(tl.int64)  # per channel, not per element
-        if NORM_PARTS > 0:  # each head's L2 norm in the first parts (heads lie inside blocks)
-            b_h = tl.reshape(b_y, [BT, BC // HEAD, HEAD])
-            r = 1.0 / tl.sqrt(tl.sum(b_h * b_h, axis=2) + 1e-6)  # [BT, BC // HEAD]
-            b_n = tl.reshape(b_h * r[:, :, None], [BT, BC])
-            b_y = tl.where((part < NORM_PARTS)[None, :], b_n, b_y)
-        p_y = y + (part * stride_yp + o_c - part * CP)[None, :] + (bos + o_t)[:, None] * CP
-        tl.store(p_y, b_y.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+        p_y = y + part * stride_yp + o_c - part * CP + bos * CP  # [BC], the sequence's row 0
+        normed = part < NORM_PARTS
+        for t in range(t0, t0 + BT, 8):  # 8 rows a step: their loads first, all in flight
+            p_x = x + (bos + t) * stride_x + o_c
+            b_0 = _row(p_x, 0, stride_x, t, T, m_c)
+            b_1 = _row(p_x, 1, stride_x, t, T, m_c)
+            b_2 = _row(p_x, 2, stride_x, t, T, m_c)
+            b_3 = _row(p_x, 3, stride_x, t, T, m_c)
+            b_4 = _row(p_x, 4, stride_x, t, T, m_c)
+            b_5 = _row(p_x, 5, stride_x, t, T, m_c)
+            b_6 = _row(p_x, 6, stride_x, t, T, m_c)
+            b_7 = _row(p_x, 7, stride_x, t, T, m_c)
+            _out_row(p_y, 0, CP, t, T, m_c, a_3, a_2, a_1, b_0, w_0, w_1, w_2, w_3, normed,
+                     NORM_PARTS, HEAD)
+            _out_row(p_y, 1, CP, t, T, m_c, a_2, a_1, b_0, b_1, w_0, w_1, w_2, w_3, normed,
+                     NORM_PARTS, HEAD)
+            _out_row(p_y, 2, CP, t, T, m_c, a_1, b_0, b_1, b_2, w_0, w_1, w_2, w_3, normed,
+                     NORM_PARTS, HEAD)
+            _out_row(p_y, 3, CP, t, T, m_c, b_0, b_1, b_2, b_3, w_0, w_1, w_2, w_3, normed,
+                     NORM_PARTS, HEAD)
+            _out_row(p_y, 4, CP, t, T, m_c, b_1, b_2, b_3, b_4, w_0, w_1, w_2, w_3, normed,
+                     NORM_PARTS, HEAD)
+            _out_row(p_y, 5, CP, t, T, m_c, b_2, b_3, b_4, b_5, w_0, w_1, w_2, w_3, normed,
+                     NORM_PARTS, HEAD)
+            _out_row(p_y, 6, CP, t, T, m_c, b_3, b_4, b_5, b_6, w_0, w_1, w_2, w_3, normed,
+                     NORM_PARTS, HEAD)
+            _out_row(p_y, 7, CP, t, T, m_c, b_4, b_5, b_6, b_7, w_0, w_1, w_2, w_3, normed,
+                     NORM_PARTS, HEAD)
+            a_3, a_2, a_1 = b_5, b_6, b_7
+
+
+@triton.jit
+def _row(p_x, r, stride_x, t, T, m_c):
+    """Input row t + r ([BC] channels; zeros past the sequence's end)."""
+    m_t = m_c & (t + r + tl.zeros_like(m_c.to(tl.int32)) < T)  # a vector mask (interpreter)
+    return tl.load(p_x + r * stride_x, mask=m_t, other=0.0)
+
+
+@triton.jit
+def _out_row(p_y, r, CP, t, T, m_c, x_3, x_2, x_1, x_0, w_0, w_1, w_2, w_3, normed,
+             NORM_PARTS: tl.constexpr, HEAD: tl.constexpr):  # fmt: skip
+    """Output row t + r from its inputs x_{t+r-3} ... x_{t+r}: SiLU of the taps' fp32 sum, each
+    head L2-normed where `normed` (channels of the first NORM_PARTS parts)."""
+    acc = x_3.to(tl.float32) * w_0 + x_2.to(tl.float32) * w_1
+    acc += x_1.to(tl.float32) * w_2 + x_0.to(tl.float32) * w_3
+    b_y = tl.fdiv(acc, 1.0 + tl.exp(-acc))  # SiLU; the approximate quotient (2 ulp)
+    if NORM_PARTS > 0:  # heads lie inside blocks
+        BC: tl.constexpr = b_y.shape[0]
+        b_h = tl.reshape(b_y, [BC // HEAD, HEAD])
+        r_h = 1.0 / tl.sqrt(tl.sum(b_h * b_h, axis=1) + 1e-6)  # [BC // HEAD]
+        b_y = tl.where(normed, tl.reshape(b_h * r_h[:, None], [BC]), b_y)
+    m_t = m_c & (t + r + tl.zeros_like(m_c.to(tl.int32)) < T)
+    tl.store(p_y + (t + r) * CP, b_y.to(p_y.dtype.element_ty), mask=m_t)
 
 
 @triton.jit
@@ -176,6 +227,10 @@ def short_conv_prefill_(x_TC, weight_CW, pool_BCW, slots_N, warm_N, cu_seqlens, 
     T, C = x_TC.shape
     W = weight_CW.shape[1]
     assert pool_BCW.shape[1:] == (C, W - 1)
+    if not 1 <= W <= 4:
+        raise ValueError(f"conv width {W}: the prefill kernel keeps a window of up to 3 rows")
+    if block_t % 8:
+        raise ValueError(f"block_t {block_t}: the kernel walks tokens 8 at a time")
     if C % num_parts:
         raise ValueError(f"{C} channels do not split into {num_parts} parts")
     if norm_parts and not (head_dim & (head_dim - 1) == 0 and head_dim and block_c % head_dim == 0
