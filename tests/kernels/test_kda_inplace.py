@@ -322,14 +322,14 @@ def test_chunk_state_kernel_in_place_matches_reference_gpu(dt):
     _chunk_state_case([1000, 64, 37], [1, 0, 1], 4, 128, 128, 64, dtype, 32, "cuda")
 
 
-def _conv_case(lens, warm, C, dtype, block_t, block_c, device, **parts):
+def _conv_case(lens, warm, C, dtype, block_t, block_c, device, W=4, **parts):
     """The conv_prefill kernel against `reference.short_conv_prefill_` (on the CPU: cuDNN's
     fp32 conv may use TF32): y within tolerance, the conv state exact, every other byte of the
     buffer untouched. parts: num_parts, norm_parts, head_dim of both."""
     from k3kernels.kda.conv_prefill import short_conv_prefill_
 
     g = torch.Generator().manual_seed(sum(lens) + C)
-    W, NB = 4, len(lens) + 3
+    NB = len(lens) + 3
     _, _, buf, conv_of, slots, warm = _prefill_pools(NB, 1, 1, 1, C, W, dtype, warm, g, device)
     x = torch.randn(sum(lens), C, generator=g).to(dtype)
     w = torch.randn(C, W, generator=g) * 0.5
@@ -404,6 +404,19 @@ def test_conv_prefill_kernel_in_place_matches_reference(dt):
     several token blocks; C=40 over three channel blocks."""
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dt]
     _conv_case([1, 2, 2, 7, 21], [1, 1, 0, 0, 1], 40, dtype, 8, 16, DEV)
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_conv_prefill_kernel_narrower_windows(W):
+    """Widths under 4 (the kernel's window holds up to 3 rows; its oldest taps are zeros), warm
+    and cold sequences shorter than the window; a width over 4 is refused."""
+    from k3kernels.kda.conv_prefill import short_conv_prefill_
+
+    _conv_case([1, 2, 11], [1, 0, 1], 16, torch.float32, 8, 16, DEV, W=W)
+    x, pool = torch.zeros(4, 8, device=DEV), torch.zeros(2, 8, 4, device=DEV)
+    with pytest.raises(ValueError, match="conv width 5"):
+        short_conv_prefill_(x, torch.zeros(8, 5, device=DEV), pool, torch.tensor([0], device=DEV),
+                            torch.tensor([0], device=DEV), [0, 4])  # fmt: skip
 
 
 @pytest.mark.gpu
