@@ -34,8 +34,9 @@ if [[ $parts == *tests* ]]; then
   echo "=== tests ($(left) s left)"
   TRITON_F32_DEFAULT=ieee timeout $(( $(left) < 200 ? $(left) : 200 )) python3 -m pytest -q -m gpu -p no:cacheprovider \
     tests/kernels/test_moe.py tests/kernels/test_mla_prefill.py tests/kernels/test_mla_decode.py \
-    tests/kernels/test_kda_inplace.py tests/kernels/test_w4a16.py tests/kernels/test_moe_route.py \
-    -k "kimi or grouped_mm_triton_gpu or grouped_mm_mxfp4_gpu or qk-normed or any_head_dim or compiles_once" 2>&1 | tail -20 | tee "$OUT/kimi_kernel_tests.txt"
+    tests/kernels/test_kda_conv.py tests/kernels/test_kda_inplace.py tests/kernels/test_w4a16.py \
+    tests/kernels/test_moe_route.py \
+    -k "kimi or grouped_mm_triton_gpu or grouped_mm_mxfp4_gpu or conv_prefill or chunk_state_kernel or compiles_once" 2>&1 | tail -20 | tee "$OUT/kimi_kernel_tests.txt"
 fi
 if [[ $parts == *diag* ]]; then
   echo "=== diag ($(left) s left)"
