@@ -97,24 +97,20 @@ def chunk_state_prefill_kernel(
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
         m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
-        # The chunk's u and last gates first: loads after a store in program order stay behind
-        # it (the compiler cannot know the tensors do not overlap), and these two are not
-        # prefetched by the loop's pipelining (which takes the tiles that feed tl.dot).
-        off_tv = (bos + o_t)[:, None] * (H * V) + i_h * V + o_v[None, :]  # [BT, BV]
-        b_u = tl.load(u + off_tv, mask=m_tv, other=0.0)
-        last = bos + tl.minimum((i_t + 1) * BT, T) - 1
-        b_gl = tl.load(gk + last * (H * K) + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         p_h = h + ((boh + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
         tl.store(p_h, b_s.to(h.dtype.element_ty), mask=m_kv)
 
         off_tk = (bos + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :]  # [BT, BK]
+        off_tv = (bos + o_t)[:, None] * (H * V) + i_h * V + o_v[None, :]  # [BT, BV]
         b_w = tl.load(w + off_tk, mask=m_tk, other=0.0)
         b_sw = b_s.to(b_w.dtype)
         if UPCAST:
             b_w, b_sw = b_w.to(tl.float32), b_sw.to(tl.float32)
-        b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_sw)
+        b_vn = tl.load(u + off_tv, mask=m_tv, other=0.0).to(tl.float32) - tl.dot(b_w, b_sw)
         tl.store(v_new + off_tv, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
 
+        last = bos + tl.minimum((i_t + 1) * BT, T) - 1
+        b_gl = tl.load(gk + last * (H * K) + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         # kg^T as [BK, BT]: the transposed load avoids a register transpose.
         p_kg = kg + (bos + o_t)[None, :] * (H * K) + i_h * K + o_k[:, None]
         b_kg = tl.load(p_kg, mask=m_k[:, None] & m_t[None, :], other=0.0)
