@@ -324,8 +324,8 @@ def run_kda_prefill_bench(*, tokens: int = 8192, seqs: int = 1, heads: int = 96,
     """Our two KDA prefill kernels as the model calls them, on `seqs` sequences sharing
     `tokens`, cold: {"kda-conv": the short conv over q|k|v (a column block of the fused
     projection, three parts out, q and k L2-normed), "kda-chunk-state": the chunk recurrence}.
-    Bandwidth on the bytes each must move (the conv: x read, y written; the chunk state: its
-    inputs read, h and v_new written) against the copy bandwidth."""
+    Bandwidth on the bytes each must move (the conv: x read, y written; the chunk state: kg, w
+    and u read, each chunk's last gates, h and v_new written) against the copy bandwidth."""
     from k3kernels.kda import chunk_state as S
     from k3kernels.kda import conv_prefill as C
     from k3kernels.kda.varlen import CHUNK_SIZE, as_varlen
@@ -357,7 +357,7 @@ def run_kda_prefill_bench(*, tokens: int = 8192, seqs: int = 1, heads: int = 96,
             C.table_key(T, 3 * H * D, W, 3, 2)),
         "kda-chunk-state": (
             S.launch_config(seqs, H, D, D, x.device),
-            (3 * T * H * D + chunks * H * D * D + T * H * D) * 2 + gk.numel() * 4,
+            (3 * T * H * D + chunks * H * D * D + T * H * D) * 2 + chunks * H * D * 4,
             lambda cfg: S.chunk_state_prefill_(kg, w, u, gk, state_pool=state_pool, slots=slots,
                                                warm=warm, cu_seqlens=cu, **cfg),
             [dict(block_v=bv, num_warps=nw, num_stages=ns)

@@ -38,12 +38,14 @@ import triton.language as tl
 from k3kernels import tuned
 from k3kernels.kda.varlen import as_varlen
 
-# Launch settings by default (not yet timed on a GPU: `k3batch bench kda-prefill --sweep`
-# times the grid); the tuned table (`k3kernels.tuned`: table "conv_prefill" of tuned/<GPU>.json,
-# keys `table_key`, written by `k3batch bench kda-prefill --sweep --save-tuned` at the model's
-# call: q|k|v in three parts, q and k normed) overrides them at its shapes.
-BLOCK_T = 32
-BLOCK_C = 1024
+# Launch settings by default: the best of 18 on one H100 at Kimi Linear's call (12,288 bf16
+# channels in 3 parts, q and k normed, 1 x 8,192 and 8 x 1,024 tokens): 0.164 ms, 83% of the
+# copy bandwidth on the bytes it must move, against 0.311 for the earlier shifted-tile kernel
+# (benchmarks/kernel_sweeps_kimi_linear_h100.txt). The tuned table (`k3kernels.tuned`: table
+# "conv_prefill" of tuned/<GPU>.json, keys `table_key`, written by `k3batch bench kda-prefill
+# --sweep --save-tuned`) overrides them at its shapes.
+BLOCK_T = 64
+BLOCK_C = 512
 NUM_WARPS = 4
 TUNED_DIR = Path(__file__).with_name("tuned")
 
