@@ -18,11 +18,12 @@ block, sequence) walks BLOCK_T tokens in steps of 8 rows, keeping the last W-1 i
 (the window) in registers: each row of x is read from memory once (the window's first rows come
 from x or, before the sequence's first token, from its old state), and a step's 8 loads are
 issued before its first output (a store there would keep the next load behind it: the compiler
-cannot know that x and y do not overlap); it writes only y. W is at most 4 (K3's and Kimi Linear's width). (Earlier
-versions: one program walking a whole sequence per channel block, 96 programs for one
-8,192-token sequence at K3's 12,288 channels, 0.65 ms per call on an H200; then a [BLOCK_T,
-BLOCK_C] tile from W shifted loads of x, 0.265 ms there (0.28 ms a call in Kimi Linear's 8K
-prefill with q and k normed), each input row read W times and 211 registers a thread.)
+cannot know that x and y do not overlap); it writes only y. W is at most 4 (K3's and Kimi
+Linear's width). (Earlier versions: one program walking a whole sequence per channel block,
+96 programs for one 8,192-token sequence at K3's 12,288 channels, 0.65 ms per call on an H200;
+then a [BLOCK_T, BLOCK_C] tile from W shifted loads of x, 0.265 ms there and 0.311 ms on an
+H100 at Kimi Linear's call with q and k normed, each input row read W times, 211 registers a
+thread.)
 `conv_state_update_kernel` then runs once per (channel block, sequence): it reads the old state
 and the last inputs, and writes the new state; no other program touches those channels of that
 block, so the update is race-free. The conv sums fp32 products; the state is copied exactly.
