@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 54 on one lent GPU, in one device call (after `source benchmarks/device_env.sh`):
-#   bash benchmarks/kimi_linear_job_gpu.sh [SECONDS] [tests,diag,tune,job,job-warm]
+#   bash benchmarks/kimi_linear_job_gpu.sh [SECONDS] [tests,diag,tune,job,job-warm] [TUNE_ROWS]
 # diag: benchmarks/prefill_host_gpu.py on an 8K prefill (host enqueue vs GPU time, and syncs);
 # tests: the GPU kernel tests at Kimi Linear's shapes against their fp32 references, and those
 #   of the passes folded into other kernels (the GEMMs' gather and activation, the conv's q/k norm);
@@ -8,7 +8,8 @@
 #   256) expert shapes, MLA prefill/decode, KDA decode and our KDA prefill kernels (short conv,
 #   chunk state) at its 32 heads, then MXFP4's, into
 #   this GPU's tuned tables (the ones written, copied to $OUT/tuned_<op>_<GPU>.json: copy them
-#   back to kernels/<op>/tuned/<GPU>.json);
+#   back to kernels/<op>/tuned/<GPU>.json); TUNE_ROWS, an extended regex, keeps the rows it
+#   matches (`'bf16 8192|prefill'`: the bf16 prefill experts, MLA's and KDA's prefill kernels);
 # job: `bench job --flavor kimi-linear --experts mxfp4` at 1,024 prompts of 1K in / 256 out
 #   (cold: checkpoint written, Triton cache as carried; the bf16 checkpoint, 98 GB, does not fit
 #   the lent machine's 64 GiB disk), then job-warm: the same job again with the checkpoint and
@@ -17,6 +18,7 @@
 set -u
 budget=${1:-570}
 parts=${2:-tests,diag,tune,job,job-warm}
+tune_rows=${3:-.}
 t0=$SECONDS
 experts=mxfp4
 [ "$(python3 -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)')" -ge 120 ] \
@@ -53,6 +55,7 @@ if [[ $parts == *tune* ]]; then
              "kda-decode --heads 32 --batch 1,16,64,256 --no-fla" \
              "kda-prefill --heads 32 --tokens 8192 --seqs 1,8" \
              "moe mxfp4 8192" "moe mxfp4 256" "moe mxfp4 16"; do
+    [[ $row =~ $tune_rows ]] || continue
     [ "$(left)" -lt 60 ] && { echo "skipped (time): tune $row"; continue; }
     echo "=== tune $row ($(left) s left)"
     if [[ $row == moe* ]]; then
