@@ -63,9 +63,12 @@ def route(logits_TE, bias_E, top_k: int, renormalize: bool, scaling: float):
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits_TE.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=logits_TE.device)
     if T:
+        # one warp a token up to 1,024 experts (32 scores a thread): its 2k reductions are then
+        # warp shuffles, with no shared memory or barrier between warps
+        BLOCK_E = triton.next_power_of_2(E)
         route_kernel[(T,)](logits_TE.float().contiguous(), bias_E.float().contiguous(), ids, w,
                            E, float(scaling), TOP_K=top_k, KP2=triton.next_power_of_2(top_k),
-                           RENORM=renormalize, BLOCK_E=triton.next_power_of_2(E),
+                           RENORM=renormalize, BLOCK_E=BLOCK_E, num_warps=max(1, BLOCK_E // 1024),
                            **launch_options(logits_TE.device))  # fmt: skip
     return ids, w
 
