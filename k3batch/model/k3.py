@@ -51,17 +51,19 @@ class DecoderLayer(nn.Module):
             self.mlp_res_proj = linear(D, 1, dtype, device)
             self.mlp_res_norm = RMSNorm(D, eps, dtype, device)
 
-    def ffn(self, x_TD, batch):
+    def ffn(self, x_TD, batch, residual=None):
+        """The FFN's output, plus residual when given (the MoE adds it in its last pass)."""
         if hasattr(self, "mlp"):
-            return self.mlp(x_TD)
-        return self.block_sparse_moe(x_TD, batch)
+            y = self.mlp(x_TD)
+            return y if residual is None else y + residual
+        return self.block_sparse_moe(x_TD, batch, residual=residual)
 
     def forward(self, stream: Stream, batch: ForwardBatch, cache=None) -> Stream:
         if self.block_size is None:  # Kimi Linear: pre-norm residual in stream.partial
             h = stream.partial
             a = self.self_attn(self.input_layernorm(h), batch, cache)
             x, h = self.post_attention_layernorm(a, residual=h)  # h + a and its norm, one pass
-            return Stream(partial=h + self.ffn(x, batch))
+            return Stream(partial=self.ffn(x, batch, residual=h))
         bank, p = stream.bank, stream.partial
         h = mix(stream, self.self_attention_res_proj, self.self_attention_res_norm)
         if self.layer_idx % self.block_size == 0:  # the partial sum is a finished block

@@ -103,16 +103,16 @@ class Experts(nn.Module):
                     MXFP4Weight(self.w2_packed, self.w2_scale, self.small_scales))  # fmt: skip
         return self.w13, self.w2
 
-    def forward(self, x_TD, ids_Tk, weights_Tk, *, out_dtype=torch.float32, add_TD=None):
+    def forward(self, x_TD, ids_Tk, weights_Tk, *, out_dtype=torch.float32, adds=()):
         """sum_i w_i E_i(x) per token over the experts held here, accumulated in fp32;
-        returns [T, Din] in out_dtype (default fp32), plus add_TD (of out_dtype) when given,
-        rounded as `sum.to(out_dtype) + add_TD`. Grouped GEMMs, no host sync
+        returns [T, Din] in out_dtype (default fp32), plus adds (up to two of out_dtype) in
+        order, rounded as `(sum.to(out_dtype) + a0) + a1`. Grouped GEMMs, no host sync
         (`k3kernels.moe.experts`)."""
         w13, w2 = self.weights()
         return fused_experts(
             x_TD, w13, w2, ids_Tk, weights_Tk, act=self.act, beta=self.beta,
             linear_beta=self.linear_beta, first_expert=self.first_expert, gemm_impl=self.gemm_impl,
-            out_dtype=out_dtype, add_TD=add_TD,
+            out_dtype=out_dtype, adds=adds,
         )  # fmt: skip
 
 
@@ -145,16 +145,20 @@ class SparseMoE(nn.Module):
             if config.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(latent, config.rms_norm_eps, dtype, device)
 
-    def forward(self, x_TD, batch):
+    def forward(self, x_TD, batch, residual=None):
+        """The block's output [T, D], plus residual ([T, D], x's dtype) when given."""
         pinned = (batch.pinned_routes or {}).get(self.layer_idx)
         ids, w = self.gate(x_TD, pinned)
         if batch.routes_out is not None:
             batch.routes_out[self.layer_idx] = ids
         shared = self.shared_experts(x_TD) if hasattr(self, "shared_experts") else None
-        if not hasattr(self, "routed_expert_down_proj"):  # Kimi Linear: cast and add in the combine
-            return self.experts(x_TD, ids, w, out_dtype=x_TD.dtype, add_TD=shared)
+        if not hasattr(self, "routed_expert_down_proj"):
+            # Kimi Linear: the cast, the shared expert and the residual added in the combine
+            adds = tuple(a for a in (shared, residual) if a is not None)
+            return self.experts(x_TD, ids, w, out_dtype=x_TD.dtype, adds=adds)
         y = self.experts(self.routed_expert_down_proj(x_TD), ids, w).to(x_TD.dtype)
         if hasattr(self, "routed_expert_norm"):
             y = self.routed_expert_norm(y)
         y = self.routed_expert_up_proj(y)
-        return y if shared is None else y + shared
+        y = y if shared is None else y + shared
+        return y if residual is None else y + residual

@@ -93,7 +93,7 @@ class ParallelSparseMoE(SparseMoE):
                 raise ValueError(f"tp_size = {group.size} does not divide shared width {inter}")
             self.shared_experts = GatedMLP(config, D, inter // group.size, dtype, device)
 
-    def forward(self, x_TD, batch):
+    def forward(self, x_TD, batch, residual=None):
         ids, w = self.gate(x_TD, (batch.pinned_routes or {}).get(self.layer_idx))
         if batch.routes_out is not None:
             batch.routes_out[self.layer_idx] = ids
@@ -110,4 +110,4 @@ class ParallelSparseMoE(SparseMoE):
             y = self.routed_expert_up_proj(y)
         if hasattr(self, "shared_experts"):
             y = y + summed[:, x_in.shape[1] :].to(x_TD.dtype)
-        return y
+        return y if residual is None else y + residual

@@ -9,7 +9,7 @@ GEMM where its tuned launch says so; one grouped GEMM with the fused gate-up wei
 where its launch says so (`grouped_gemm_triton.fusions`); a grouped
 GEMM with w2 [E, D, I] gives [M, D]; `moe_combine`
 sums each token's k rows times its router weights in fp32 (and may cast the sum and add the
-shared expert's output in the same pass). For the Gluon W4A16 decode kernel
+shared expert's output and the residual stream in the same pass). For the Gluon W4A16 decode kernel
 the gather and `moe_act` write their rows in its column order (`k3kernels.moe.interleave`),
 and where it splits K (one or two tokens) `moe_act` and `moe_combine` sum its fp32 parts. At
 decode sizes the Triton and Gluon kernels are chained by programmatic dependent launch
@@ -34,11 +34,12 @@ from k3kernels.moe.reference import combine_reference, gated_act_reference
 def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: float = 4.0,
                   linear_beta: float = 25.0, first_expert: int = 0,
                   use_triton: bool | None = None, gemm_impl: str = "auto",
-                  out_dtype=torch.float32, add_TD=None) -> torch.Tensor:  # fmt: skip
+                  out_dtype=torch.float32, adds=()) -> torch.Tensor:  # fmt: skip
     """sum_j weights[t, j] * w2[e] act(w13[e] x[t]) over the slots j whose expert
     e = ids[t, j] - first_expert is held here (0 <= e < E); [T, D] in out_dtype (default
-    fp32: the sum as accumulated), plus add_TD ([T, D] of out_dtype: Kimi Linear's shared
-    expert) when given, rounded as `sum.to(out_dtype) + add_TD` (one pass, in the combine).
+    fp32: the sum as accumulated), plus adds ([T, D] tensors of out_dtype, at most two: Kimi
+    Linear's shared expert, then its residual stream) in order, rounded as
+    `(sum.to(out_dtype) + a0) + a1` (one pass, in the combine).
 
     x [T, D] and the weights share a dtype, or the weights are `MXFP4Weight`s (packed experts);
     ids [T, k] global expert ids; weights [T, k].
@@ -97,9 +98,9 @@ def fused_experts(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: 
         from k3kernels.moe.combine import moe_combine
 
         return moe_combine(y_MD, order.slot_pos_Tk, weights_Tk, order.valid_Tk,
-                           out_dtype=out_dtype, add_TD=add_TD)  # fmt: skip
+                           out_dtype=out_dtype, adds=adds)  # fmt: skip
     return combine_reference(y_MD, order.slot_pos_Tk, weights_Tk, order.valid_Tk,
-                             out_dtype=out_dtype, add_TD=add_TD)  # fmt: skip
+                             out_dtype=out_dtype, adds=adds)  # fmt: skip
 
 
 GEMM_IMPLS = ("auto", "torch", "triton")  # gemm_impl of `fused_experts`

@@ -42,13 +42,15 @@ def gated_act_pair_reference(gate, up, act: str, beta: float = 4.0, linear_beta:
 
 
 def combine_reference(y_MD, slot_pos_Tk, weights_Tk, valid_Tk, *, out_dtype=torch.float32,
-                      add_TD=None):  # fmt: skip
+                      adds=()):  # fmt: skip
     """out[t] = sum over valid j of weights[t, j] * y[slot_pos[t, j]], fp32 [T, D], then cast
-    to out_dtype and add_TD added (in out_dtype) when given."""
+    to out_dtype and each of adds added in turn (in out_dtype)."""
     rows = y_MD.float()[slot_pos_Tk]  # [T, k, D]
     w = torch.where(valid_Tk, weights_Tk.float(), 0.0)
     out = (torch.where(valid_Tk[..., None], rows, 0.0) * w[..., None]).sum(1).to(out_dtype)
-    return out if add_TD is None else out + add_TD
+    for a in adds:
+        out = out + a
+    return out
 
 
 def experts_reference(x_TD, w13_EFD, w2_EDI, ids_Tk, weights_Tk, *, act: str, beta: float = 4.0,

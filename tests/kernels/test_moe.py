@@ -102,20 +102,26 @@ def _check_combine(T, k, D, dtype, device):
     ref = R.combine_reference(y, order.slot_pos_Tk, w, order.valid_Tk)
     out = moe_combine(y, order.slot_pos_Tk, w, order.valid_Tk)
     rel, mx = TOLERANCES[("combine", dtype)]
-    # cast and add in the same pass: rounded as torch's sum.to(dtype) + add, so equal to it
-    # given the same fp32 sum (the kernel's own, checked above). The interpreter rounds fp32
-    # to bf16 toward zero, the GPU to nearest even: within a bf16 step of each operand there.
-    add = torch.randn(T, D, generator=g).to(device=device, dtype=dtype)
-    fused = moe_combine(y, order.slot_pos_Tk, w, order.valid_Tk, out_dtype=dtype, add_TD=add)
-    want = out.to(dtype) + add
-    assert fused.dtype == dtype
-    if device == "cuda" or dtype == torch.float32:
-        assert torch.equal(fused, want)
-    else:
-        step = (out.abs() + add.float().abs() + want.float().abs()) * 2**-7  # of each rounding
-        assert ((fused.float() - want.float()).abs() <= step).all()
-    assert torch.equal(R.combine_reference(y, order.slot_pos_Tk, w, order.valid_Tk,
-                                           out_dtype=dtype, add_TD=add), ref.to(dtype) + add)
+    # cast and adds in the same pass: rounded as torch's (sum.to(dtype) + a0) + a1, so equal
+    # to it given the same fp32 sum (the kernel's own, checked above). The interpreter rounds
+    # fp32 to bf16 toward zero, the GPU to nearest even: within a bf16 step of each operand there.
+    a0, a1 = (torch.randn(T, D, generator=g).to(device=device, dtype=dtype) for _ in range(2))
+    a1 = a1 * 64  # the residual stream, larger: a wrong order or a missed rounding shows
+    for adds in ((a0,), (a0, a1)):
+        fused = moe_combine(y, order.slot_pos_Tk, w, order.valid_Tk, out_dtype=dtype, adds=adds)
+        want, want_ref = out.to(dtype), ref.to(dtype)
+        for a in adds:
+            want, want_ref = want + a, want_ref + a
+        assert fused.dtype == dtype
+        if device == "cuda" or dtype == torch.float32:
+            assert torch.equal(fused, want)
+        else:
+            scale = out.abs() + sum(a.float().abs() for a in adds) + want.float().abs()
+            assert ((fused.float() - want.float()).abs() <= len(adds) * scale * 2**-7).all()
+        assert torch.equal(R.combine_reference(y, order.slot_pos_Tk, w, order.valid_Tk,
+                                               out_dtype=dtype, adds=adds), want_ref)
+    with pytest.raises(ValueError, match="at most 2"):
+        moe_combine(y, order.slot_pos_Tk, w, order.valid_Tk, out_dtype=dtype, adds=(a0,) * 3)
     return assert_close("combine", ref, out, rel_rms=rel, max_abs=mx)
 
 
