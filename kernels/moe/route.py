@@ -30,6 +30,7 @@ from k3kernels.pdl import launch_options, wait_then_signal
 
 MAX_SLOTS = 1024  # the counting sort's M^2 work stays under ~1 M compares
 SORT_BLOCK = 2048  # slots per program of the blocked sort above MAX_SLOTS
+ONE_WARP_TOKENS = 512  # `route` runs one warp a token above this many tokens (decode: four)
 
 
 @triton.jit
@@ -63,12 +64,16 @@ def route(logits_TE, bias_E, top_k: int, renormalize: bool, scaling: float):
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits_TE.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=logits_TE.device)
     if T:
-        # one warp a token up to 1,024 experts (32 scores a thread): its 2k reductions are then
-        # warp shuffles, with no shared memory or barrier between warps
+        # Prefill: one warp a token up to 1,024 experts (32 scores a thread), so its 2k
+        # reductions are warp shuffles with no exchange through shared memory and no barrier
+        # (compiled for sm_90 at 256 experts, top-8: 1,240 warp instructions a token against
+        # 4 x 792 and 39 barriers). Decode batches keep four warps: there a program's latency,
+        # not the instructions issued, makes the kernel's time (one wave), untimed so far.
         BLOCK_E = triton.next_power_of_2(E)
+        num_warps = max(1, BLOCK_E // 1024) if T > ONE_WARP_TOKENS else 4
         route_kernel[(T,)](logits_TE.float().contiguous(), bias_E.float().contiguous(), ids, w,
                            E, float(scaling), TOP_K=top_k, KP2=triton.next_power_of_2(top_k),
-                           RENORM=renormalize, BLOCK_E=BLOCK_E, num_warps=max(1, BLOCK_E // 1024),
+                           RENORM=renormalize, BLOCK_E=BLOCK_E, num_warps=num_warps,
                            **launch_options(logits_TE.device))  # fmt: skip
     return ids, w
 

@@ -26,9 +26,13 @@ def test_sort_slots_groups_each_expert_in_slot_order():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs on CPU")
-def test_route_and_sort_interpreted_on_cpu():
+def test_route_and_sort_interpreted_on_cpu(monkeypatch):
+    from k3kernels.moe import route
+
     for T, E, k, first, local in ((1, 8, 2, 0, 8), (33, 8, 2, 4, 4), (70, 12, 3, 0, 12)):
         _check_route_and_sort(T, E, k, "cpu", first, local)
+    monkeypatch.setattr(route, "ONE_WARP_TOKENS", 32)  # 33 tokens routed as a prefill's
+    _check_route_and_sort(33, 8, 2, "cpu", 4, 4)
     _check_blocked_sort(700, 12, 3, "cpu", first_expert=3, local=6)  # 2 blocks, the last partial
 
 
