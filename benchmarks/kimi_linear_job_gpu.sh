@@ -3,7 +3,8 @@
 #   bash benchmarks/kimi_linear_job_gpu.sh [SECONDS] [tests,diag,tune,job,job-warm] [TUNE_ROWS]
 # diag: benchmarks/prefill_host_gpu.py on an 8K prefill (host enqueue vs GPU time, and syncs);
 # tests: the GPU kernel tests at Kimi Linear's shapes against their fp32 references, and those
-#   of the passes folded into other kernels (the GEMMs' gather and activation, the conv's q/k norm);
+#   of the passes folded into other kernels (the GEMMs' gather and activation, the conv's q/k norm,
+#   the combine's adds), and the routing;
 # tune: `bench moe --sweep --save-tuned` at its bf16 prefill (8,192 tokens) and decode (16 and
 #   256) expert shapes, MLA prefill/decode, KDA decode and our KDA prefill kernels (short conv,
 #   chunk state) at its 32 heads, then MXFP4's, into
@@ -38,7 +39,7 @@ if [[ $parts == *tests* ]]; then
     tests/kernels/test_moe.py tests/kernels/test_mla_prefill.py tests/kernels/test_mla_decode.py \
     tests/kernels/test_kda_conv.py tests/kernels/test_kda_inplace.py tests/kernels/test_w4a16.py \
     tests/kernels/test_moe_route.py \
-    -k "kimi or grouped_mm_triton_gpu or grouped_mm_mxfp4_gpu or conv_prefill or chunk_state_kernel or compiles_once" 2>&1 | tail -20 | tee "$OUT/kimi_kernel_tests.txt"
+    -k "kimi or grouped_mm_triton_gpu or grouped_mm_mxfp4_gpu or conv_prefill or chunk_state_kernel or compiles_once or route_and_sort_gpu or act_combine" 2>&1 | tail -20 | tee "$OUT/kimi_kernel_tests.txt"
 fi
 if [[ $parts == *diag* ]]; then
   echo "=== diag ($(left) s left)"

@@ -62,11 +62,12 @@ def test_blocked_sort_compiles_once_whatever_the_batch(monkeypatch, sm90_recorde
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_route_and_sort_gpu():
-    """K3 (896 experts, top-16) and k3-slice (112, top-2) decode batches, an EP half; the
-    two-launch sort at prefill sizes."""
+    """K3 (896 experts, top-16) and k3-slice (112, top-2) decode batches, an EP half; Kimi
+    Linear's prefill (256, top-8: one warp a token); the two-launch sort at prefill sizes."""
     for T in (1, 16, 64):
         _check_route_and_sort(T, 896, 16, "cuda")
         _check_route_and_sort(T, 112, 2, "cuda")
+    _check_route_and_sort(8192, 256, 8, "cuda")
     _check_route_and_sort(64, 896, 16, "cuda", first_expert=448, local=448)
     _check_blocked_sort(8192, 112, 2, "cuda")  # k3-slice prefill
     _check_blocked_sort(8192, 896, 16, "cuda", first_expert=448, local=448)  # K3, an EP half
