@@ -9,8 +9,8 @@ GEMM where its tuned launch says so; one grouped GEMM with the fused gate-up wei
 where its launch says so (`grouped_gemm_triton.fusions`); a grouped
 GEMM with w2 [E, D, I] gives [M, D]; `moe_combine`
 sums each token's k rows times its router weights in fp32 (and may cast the sum and add the
-shared expert's output and the residual stream in the same pass). For the Gluon W4A16 decode kernel
-the gather and `moe_act` write their rows in its column order (`k3kernels.moe.interleave`),
+shared expert's output and the residual stream in the same pass). For the Gluon W4A16 decode
+kernel the gather and `moe_act` write their rows in its column order (`k3kernels.moe.interleave`),
 and where it splits K (one or two tokens) `moe_act` and `moe_combine` sum its fp32 parts. At
 decode sizes the Triton and Gluon kernels are chained by programmatic dependent launch
 (`k3kernels.pdl`); the gather stays a launch of its own so that the sort is two launches before
